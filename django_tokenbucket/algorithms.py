@@ -1,0 +1,233 @@
+"""The rate-limit arithmetic, free of I/O.
+
+Every backend locks a limit's state, hands it to a function here with the store's
+current time, and writes back what the function says. Keeping the math here, in
+integers, is what lets the database path, the Redis script and the tests agree to the
+last micro-token.
+
+Units: amounts are micro-tokens (millionths of a token) and times are microseconds
+since the Unix epoch, both as ``int``. Integers never drift: a refill is rounded down,
+so the arithmetic can lose a micro-token at worst and never mints one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "MAX_AMOUNT",
+    "MICRO",
+    "Decision",
+    "State",
+    "fixed_window",
+    "fixed_window_refund",
+    "fresh_fixed_window",
+    "fresh_token_bucket",
+    "token_bucket",
+    "token_bucket_refund",
+]
+
+#: Amounts are stored in millionths of a token, times in microseconds.
+MICRO = 1_000_000
+
+#: Largest amount (in micro-tokens) a limit may hold: every stored number stays exact
+#: in an IEEE double, which is all that Redis' Lua has.
+MAX_AMOUNT = 2**53
+
+
+@dataclass(frozen=True)
+class State:
+    """The whole stored state of one limit: ``value`` micro-tokens at time ``ts``."""
+
+    value: int
+    ts: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one call decides.
+
+    ``value`` is the amount after this call when allowed, the amount now when denied.
+    ``retry_after`` is, when denied, the time until the same call would succeed;
+    when allowed with a debt (a reservation), the time until the debt is paid;
+    otherwise ``None``. ``full_after`` is the time until the limit is full again.
+    ``state`` is what the backend must store, or ``None`` when nothing changes.
+    """
+
+    allowed: bool
+    value: int
+    retry_after: int | None
+    full_after: int
+    state: State | None
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def _lowest_value(reserve: bool, max_reserved: int | None) -> int | None:
+    """Return how low a call may take the value, or None when reservations are uncapped."""
+    if not reserve:
+        return 0
+    return None if max_reserved is None else -max_reserved
+
+
+def fresh_token_bucket(capacity: int) -> State:
+    """Return the state of a bucket nobody has used: full since the epoch.
+
+    Being independent of the time, it lets a missing row or key mean "fresh", and an
+    idle bucket be deleted once it would read as full.
+    """
+    return State(capacity, 0)
+
+
+def fresh_fixed_window(capacity: int, period: int, offset: int) -> State:
+    """Return the state of an unused fixed window: full, aligned on ``offset``."""
+    return State(capacity, offset % period)
+
+
+def token_bucket(
+    state: State | None,
+    now: int,
+    count: int,
+    *,
+    rate: int,
+    period: int,
+    capacity: int,
+    reserve: bool = False,
+    max_reserved: int | None = None,
+) -> Decision:
+    """Decide whether ``count`` micro-tokens may be taken from a token bucket at ``now``.
+
+    The bucket gains ``rate`` micro-tokens per ``period`` microseconds, continuously,
+    up to ``capacity``. With ``reserve`` the value may go below zero (a debt) down to
+    ``-max_reserved`` (unbounded when ``max_reserved`` is None). ``count`` may be 0 to
+    read the value without taking anything.
+    """
+    if state is None:
+        state = fresh_token_bucket(capacity)
+    clock_went_back = now < state.ts
+    # A clock that went backwards credits nothing for the lost time, and measuring the
+    # refill from ``now`` keeps it from locking anybody out until it catches up.
+    since = now if clock_went_back else state.ts
+    stored = min(state.value, capacity)
+    elapsed = now - since
+
+    gained = rate * elapsed
+    credited = gained // period
+    if stored + credited >= capacity:
+        value, value_ts = capacity, now
+    else:
+        # Keep the fraction of a micro-token already earned (the refill phase) by
+        # dating the new value back by the time that earned it.
+        value, value_ts = stored + credited, now - (gained - credited * period) // rate
+
+    def time_to_reach(target: int, from_value: int, from_ts: int) -> int:
+        if from_value >= target:
+            return 0
+        return from_ts + _ceil_div((target - from_value) * period, rate) - now
+
+    lowest = _lowest_value(reserve, max_reserved)
+    after = value - count
+    if lowest is None or after >= lowest:
+        return Decision(
+            allowed=True,
+            value=after,
+            retry_after=time_to_reach(0, after, value_ts) if after < 0 else None,
+            full_after=time_to_reach(capacity, after, value_ts),
+            state=State(after, value_ts),
+        )
+    # Measured from the stored state, not the re-dated one, so the wait is exact.
+    return Decision(
+        allowed=False,
+        value=value,
+        retry_after=time_to_reach(count + lowest, stored, since),
+        full_after=time_to_reach(capacity, stored, since),
+        state=State(stored, now) if clock_went_back else None,
+    )
+
+
+def fixed_window(
+    state: State | None,
+    now: int,
+    count: int,
+    *,
+    rate: int,
+    period: int,
+    capacity: int,
+    offset: int,
+    reserve: bool = False,
+    max_reserved: int | None = None,
+) -> Decision:
+    """Decide whether ``count`` micro-tokens may be taken from a fixed window at ``now``.
+
+    Windows of ``period`` microseconds start at ``offset`` modulo ``period``; each new
+    window adds ``rate`` micro-tokens, and unused ones roll over up to ``capacity``.
+    ``state.ts`` is the start of the window the value belongs to.
+    """
+    if state is None:
+        state = fresh_fixed_window(capacity, period, offset)
+    clock_went_back = now < state.ts
+    # Python's modulo is never negative, so this is the start, at or before ``now``, of
+    # the window on the stored phase: a backwards clock neither mints nor locks out.
+    since = now - (now - state.ts) % period if clock_went_back else state.ts
+    windows = (now - since) // period
+    window_start = since + windows * period
+    value = min(capacity, state.value + windows * rate)
+
+    def time_to_reach(target: int, from_value: int) -> int:
+        if from_value >= target:
+            return 0
+        return window_start + _ceil_div(target - from_value, rate) * period - now
+
+    lowest = _lowest_value(reserve, max_reserved)
+    after = value - count
+    if lowest is None or after >= lowest:
+        return Decision(
+            allowed=True,
+            value=after,
+            retry_after=time_to_reach(0, after) if after < 0 else None,
+            full_after=time_to_reach(capacity, after),
+            state=State(after, window_start),
+        )
+    return Decision(
+        allowed=False,
+        value=value,
+        retry_after=time_to_reach(count + lowest, value),
+        full_after=time_to_reach(capacity, value),
+        state=State(min(state.value, capacity), since) if clock_went_back else None,
+    )
+
+
+def token_bucket_refund(
+    state: State | None, now: int, amount: int, *, rate: int, period: int, capacity: int
+) -> State:
+    """Return a token bucket's state once ``amount`` micro-tokens are given back at ``now``.
+
+    The bucket first refills as ``token_bucket`` would, keeping its refill phase, then
+    gains ``amount``, capped at ``capacity``. Refilling before adding makes a refund
+    exact: the result is the state the bucket would have if the returned tokens had
+    never been taken, since both sides reach the cap in the same way.
+    """
+    if amount < 0:
+        raise ValueError(f"a refund must not be negative, not {amount!r}")
+    refilled = token_bucket(state, now, 0, rate=rate, period=period, capacity=capacity, reserve=True)
+    assert refilled.state is not None  # uncapped reservations always allow a zero count
+    return State(min(capacity, refilled.value + amount), refilled.state.ts)
+
+
+def fixed_window_refund(
+    state: State | None, now: int, amount: int, *, rate: int, period: int, capacity: int, offset: int
+) -> State:
+    """Return a fixed window's state once ``amount`` micro-tokens are given back at ``now``.
+
+    The tokens go to the current window (after the windows that passed since the stored
+    one are credited), capped at ``capacity``.
+    """
+    if amount < 0:
+        raise ValueError(f"a refund must not be negative, not {amount!r}")
+    current = fixed_window(
+        state, now, 0, rate=rate, period=period, capacity=capacity, offset=offset, reserve=True
+    )
+    assert current.state is not None  # uncapped reservations always allow a zero count
+    return State(min(capacity, current.value + amount), current.state.ts)

@@ -1,0 +1,345 @@
+"""The public API: ``limiter.limit``, ``check``, ``reset``, ``get_value`` and friends."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from django.core.exceptions import ImproperlyConfigured
+
+from . import registry, signals
+from .algorithms import MICRO, Decision
+from .backends import get_backend
+from .backends.base import BackendError, Outcome, Request
+from .conf import tokenbucket_settings
+from .config import LimitConfig, freeze, parse_limit, to_micro
+from .exceptions import BackendUnavailable, RateLimited
+from .keys import EncodedKey, encode_key
+from .logs import throttled_logger
+from .rates import to_fraction
+from .status import MultiStatus, Status
+
+__all__ = ["LimitRequest", "Limiter", "limiter"]
+
+logger = logging.getLogger("django_tokenbucket")
+
+ConfigSpec = Union[str, Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class LimitRequest:
+    """One limit in a ``limit_many`` / ``check_many`` call."""
+
+    name: str
+    key: object = None
+    count: int | float = 1
+    reserve: bool = False
+    config: ConfigSpec | None = None
+
+
+_inline_cache: dict[Any, LimitConfig] = {}
+_INLINE_CACHE_SIZE = 1024
+
+
+def _parse_inline(name: str, config: ConfigSpec) -> LimitConfig:
+    """Parse an inline config, remembering the result: decorators pass the same one on every call."""
+    try:
+        cache_key = (name, freeze(config))
+        hash(cache_key)
+    except TypeError:
+        return parse_limit(name, config)
+    limit = _inline_cache.get(cache_key)
+    if limit is None:
+        if len(_inline_cache) >= _INLINE_CACHE_SIZE:
+            _inline_cache.clear()
+        limit = _inline_cache[cache_key] = parse_limit(name, config)
+        # Remembered so that the admin, the command and cleanup can interpret its rows.
+        registry.record_inline(limit)
+    return limit
+
+
+class Limiter:
+    """Decide rate limits against the configured backend.
+
+    Every method takes the limit's ``name`` (an entry of ``TOKENBUCKET["LIMITS"]``, or
+    any name with an inline ``config``) and a ``key`` (None for one global bucket; a
+    str, bytes, int, or a tuple of these).
+    """
+
+    def resolve(self, name: str, config: ConfigSpec | None = None) -> LimitConfig:
+        """Return the parsed config of ``name``; raise ImproperlyConfigured if unknown or invalid."""
+        if config is not None:
+            return _parse_inline(name, config)
+        limits = tokenbucket_settings.limits()
+        try:
+            return limits[name]
+        except (KeyError, TypeError):
+            known = ", ".join(sorted(map(repr, limits))) or "none"
+            raise ImproperlyConfigured(
+                f"unknown rate limit {name!r}: define it in TOKENBUCKET['LIMITS'] "
+                f"(defined: {known}) or pass config=..."
+            ) from None
+
+    def limit(
+        self,
+        name: str,
+        key: object = None,
+        count: int | float = 1,
+        reserve: bool = False,
+        throws: bool = False,
+        config: ConfigSpec | None = None,
+    ) -> Status:
+        """Take ``count`` tokens from limit ``name`` for ``key`` if they are there.
+
+        Returns a Status; a denied call changes nothing. With ``reserve=True`` the
+        tokens may be taken ahead of time (up to ``max_reserved``), and
+        ``status.retry_after`` says when they exist. With ``throws=True`` a denial
+        raises RateLimited instead of returning ``ok=False``.
+        """
+        return self._run([LimitRequest(name, key, count, reserve, config)], apply=True, throws=throws)[0]
+
+    def check(
+        self,
+        name: str,
+        key: object = None,
+        count: int | float = 1,
+        reserve: bool = False,
+        throws: bool = False,
+        config: ConfigSpec | None = None,
+    ) -> Status:
+        """Return what ``limit()`` would return with the same arguments, changing nothing."""
+        return self._run([LimitRequest(name, key, count, reserve, config)], apply=False, throws=throws)[0]
+
+    def limit_many(
+        self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
+    ) -> MultiStatus:
+        """Take tokens from several limits all-or-nothing: one denial consumes none.
+
+        ``requests`` are LimitRequest objects or ``(name, key[, count])`` tuples.
+        """
+        return self._run([self._as_request(r) for r in requests], apply=True, throws=throws)
+
+    def check_many(
+        self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
+    ) -> MultiStatus:
+        """Return what ``limit_many()`` would, changing nothing."""
+        return self._run([self._as_request(r) for r in requests], apply=False, throws=throws)
+
+    def get_value(self, name: str, key: object = None, config: ConfigSpec | None = None) -> float:
+        """Return the tokens available now (negative while reserved ahead)."""
+        return self.get_status(name, key, config=config).value  # type: ignore[return-value]
+
+    def get_status(self, name: str, key: object = None, config: ConfigSpec | None = None) -> Status:
+        """Return the state of a limit now, as a Status of a zero-token call."""
+        limit = self.resolve(name, config)
+        request = Request(limit, self._encode(limit, key), 0)
+        # Reading has nothing to allow, so a failed store is an error even with FAIL_OPEN.
+        outcome = self._backend_call(limit, [request], apply=False, fail_open=False)
+        assert outcome is not None
+        return self._status(limit, key, 0, outcome.decisions[0], outcome.now)
+
+    def reset(self, name: str, key: object = None, config: ConfigSpec | None = None) -> None:
+        """Forget the state of ``name`` for ``key``: it starts full again."""
+        limit = self.resolve(name, config)
+        encoded = self._encode(limit, key)
+        try:
+            get_backend().reset(limit, encoded)
+        except BackendError as exc:
+            throttled_logger.warning(limit.name, "rate limit %r: reset failed: %s", limit.name, exc)
+            raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
+
+    def refund(
+        self, name: str, key: object = None, count: int | float = 1, config: ConfigSpec | None = None
+    ) -> Status:
+        """Give ``count`` unused tokens back to limit ``name`` for ``key``, up to its capacity.
+
+        For work that reserved more than it used (an LLM call that reserved 4,000 tokens
+        and used 1,200 returns 2,800). The limit refills up to now first, so a refund
+        restores exactly the state it would have had without the returned tokens.
+        Inside a transaction on the database backend the refund joins it, as
+        consumption does. Returns the state after the refund, as ``get_status`` would.
+        Nothing prevents refunding twice: ``django_tokenbucket.celery`` keeps that
+        bookkeeping for reservations. A backend that cannot return tokens raises
+        NotImplementedError; a failed store raises BackendUnavailable, whatever
+        ``FAIL_OPEN`` says, since there is nothing to allow.
+        """
+        limit = self.resolve(name, config)
+        try:
+            amount = to_micro(to_fraction(count, "count"), "count", count)
+            if amount <= 0:
+                raise ValueError(f"count must be positive, not {count!r}")
+        except ValueError as exc:
+            raise ValueError(f"rate limit {limit.name!r}: {exc}") from None
+        return self._refund(limit, self._encode(limit, key), amount, key)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _refund(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Status:
+        """Refund ``amount`` micro-tokens to an encoded key (reservations keep only the digest)."""
+        try:
+            outcome = get_backend().refund(limit, encoded, amount)
+        except BackendError as exc:
+            throttled_logger.warning(limit.name, "rate limit %r: refund failed: %s", limit.name, exc)
+            raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
+        return self._status(limit, key, amount, outcome.decisions[0], outcome.now)
+
+    @staticmethod
+    def _as_request(item: LimitRequest | Sequence[Any]) -> LimitRequest:
+        if isinstance(item, LimitRequest):
+            return item
+        if isinstance(item, str):
+            return LimitRequest(item)
+        return LimitRequest(*item)
+
+    @staticmethod
+    def _encode(limit: LimitConfig, key: object) -> EncodedKey:
+        try:
+            return encode_key(key)
+        except TypeError as exc:
+            raise ValueError(f"rate limit {limit.name!r}: {exc}") from None
+
+    def _run(self, items: list[LimitRequest], *, apply: bool, throws: bool) -> MultiStatus:
+        if not items:
+            raise ValueError("no rate limits given")
+        limits = []
+        requests = []
+        for item in items:
+            if not isinstance(item.reserve, bool):
+                raise ValueError(f"rate limit {item.name!r}: reserve must be a bool, not {item.reserve!r}")
+            limit = self.resolve(item.name, item.config)
+            count = limit.validate_count(item.count, item.reserve)
+            limits.append(limit)
+            requests.append(Request(limit, self._encode(limit, item.key), count, item.reserve))
+
+        # Limits in shadow mode never block, so they are decided apart from the enforced
+        # ones; they consume only when the enforced ones let the call through, as they
+        # would if they were enforced.
+        enforced = [i for i, limit in enumerate(limits) if not limit.shadow]
+        shadowed = [i for i, limit in enumerate(limits) if limit.shadow]
+        statuses: list[Status | None] = [None] * len(items)
+        for group in (enforced, shadowed):
+            if not group:
+                continue
+            group_apply = apply and (group is enforced or all(statuses[i].ok for i in enforced))  # type: ignore[union-attr]
+            group_requests = [requests[i] for i in group]
+            outcome = self._backend_call(limits[group[0]], group_requests, apply=group_apply)
+            for position, i in enumerate(group):
+                if outcome is None:
+                    statuses[i] = self._failed_open(limits[i], items[i])
+                else:
+                    statuses[i] = self._status(
+                        limits[i], items[i].key, requests[i].count, outcome.decisions[position], outcome.now
+                    )
+        result = MultiStatus([status for status in statuses if status is not None])
+        if apply:
+            self._report(result)
+        if throws and not result.ok:
+            denied = result.denied[0]
+            raise RateLimited(denied.name, denied.key, result.retry_after, denied)
+        return result
+
+    @staticmethod
+    def _report(result: MultiStatus) -> None:
+        for status in result:
+            if status.ok and not status.would_deny:
+                # A call denied by another of its limits consumed nothing here either:
+                # there is no allowance to report (all-or-nothing).
+                if result.ok and signals.rate_limit_allowed.has_listeners():
+                    signals.rate_limit_allowed.send(
+                        sender=Limiter, name=status.name, key=status.key, count=status.count, status=status
+                    )
+                continue
+            if status.would_deny:
+                logger.info(
+                    "rate limit %r (shadow mode) would have denied key %s: retry after %s s",
+                    status.name,
+                    encode_key(status.key).digest[:12],
+                    status.retry_after,
+                )
+            if signals.rate_limit_denied.has_listeners():
+                signals.rate_limit_denied.send(
+                    sender=Limiter,
+                    name=status.name,
+                    key=status.key,
+                    count=status.count,
+                    status=status,
+                    shadow=status.would_deny,
+                )
+
+    def _backend_call(
+        self, limit: LimitConfig, requests: list[Request], *, apply: bool, fail_open: bool | None = None
+    ) -> Outcome | None:
+        """Run the backend; on a store failure return None (fail open) or raise BackendUnavailable."""
+        if fail_open is None:
+            fail_open = bool(tokenbucket_settings.FAIL_OPEN)
+        try:
+            return get_backend().decide(requests, apply=apply)
+        except BackendError as exc:
+            names = ", ".join(repr(r.config.name) for r in requests)
+            if signals.rate_limit_backend_error.has_listeners():
+                signals.rate_limit_backend_error.send(
+                    sender=Limiter,
+                    names=[r.config.name for r in requests],
+                    exception=exc,
+                    fail_open=fail_open,
+                )
+            # At most one warning per limit per LOG_INTERVAL: a store outage fails every
+            # request at once, and the signal above is there for counting them all.
+            if fail_open:
+                throttled_logger.warning(
+                    names,
+                    "rate limit %s (key %s): the store failed, allowing (FAIL_OPEN): %s",
+                    names,
+                    requests[0].key.digest[:12],
+                    exc,
+                )
+                return None
+            throttled_logger.warning(
+                names,
+                "rate limit %s (key %s): the store failed, refusing (fail closed): %s",
+                names,
+                requests[0].key.digest[:12],
+                exc,
+            )
+            raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
+
+    @staticmethod
+    def _status(limit: LimitConfig, key: object, count: int, decision: Decision, now: int) -> Status:
+        return Status(
+            ok=decision.allowed or limit.shadow,
+            shadow=limit.shadow,
+            would_deny=limit.shadow and not decision.allowed,
+            name=limit.name,
+            key=key,
+            count=count / MICRO,
+            value=decision.value / MICRO,
+            retry_after=None if decision.retry_after is None else decision.retry_after / MICRO,
+            reset_after=decision.full_after / MICRO,
+            capacity=limit.capacity_tokens,
+            rate=limit.rate_tokens,
+            period=limit.period_seconds,
+            timestamp=now / MICRO,
+        )
+
+    @staticmethod
+    def _failed_open(limit: LimitConfig, item: LimitRequest) -> Status:
+        return Status(
+            ok=True,
+            name=limit.name,
+            key=item.key,
+            count=float(item.count),
+            value=None,
+            retry_after=None,
+            reset_after=None,
+            capacity=limit.capacity_tokens,
+            rate=limit.rate_tokens,
+            period=limit.period_seconds,
+            timestamp=None,
+            failed_open=True,
+            shadow=limit.shadow,
+        )
+
+
+limiter = Limiter()

@@ -1,0 +1,19 @@
+from django.apps import AppConfig
+from django.utils.translation import gettext_lazy as _
+
+
+class TokenBucketConfig(AppConfig):
+    name = "django_tokenbucket"
+    verbose_name = _("Rate limits")
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import checks  # noqa: F401  (registers the system checks)
+
+        try:
+            import celery  # noqa: F401
+        except ImportError:
+            return
+        # Registers the django_tokenbucket.* tasks with the project's Celery app, so that
+        # workers know them without autodiscovery (which looks for tasks.py only).
+        from . import celery as _tasks  # noqa: F401

@@ -1,0 +1,111 @@
+"""The interface every backend implements, and the all-or-nothing step they share."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..algorithms import Decision, State
+from ..config import LimitConfig
+from ..keys import EncodedKey
+
+__all__ = ["BackendError", "BaseBackend", "Outcome", "Request", "decide_all", "row_id"]
+
+RowId = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One limit to decide: ``count`` micro-tokens from ``config`` for ``key``."""
+
+    config: LimitConfig
+    key: EncodedKey
+    count: int
+    reserve: bool = False
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The decisions for a list of requests, in order, and the store time they used."""
+
+    decisions: list[Decision]
+    now: int
+
+
+class BackendError(Exception):
+    """The store failed; the limiter applies the configured fail mode."""
+
+
+def row_id(request: Request) -> RowId:
+    return (request.config.name, request.key.digest)
+
+
+def decide_all(
+    requests: Sequence[Request], states: Mapping[RowId, State | None], now: int
+) -> tuple[list[Decision], dict[RowId, State]]:
+    """Decide every request against locked ``states``; return decisions and what to write.
+
+    All or nothing: either every request is allowed and the final states are written,
+    or nothing is consumed. Requests on the same row see each other's consumption.
+    A denied group still writes a rebased state where a clock went backwards, so that
+    the lost time cannot lock anybody out.
+    """
+    current: dict[RowId, State | None] = dict(states)
+    decisions = []
+    for request in requests:
+        rid = row_id(request)
+        decision = request.config.decide(
+            current.get(rid), now, request.count, request.key.digest, request.reserve
+        )
+        decisions.append(decision)
+        if decision.allowed:
+            current[rid] = decision.state
+    if all(decision.allowed for decision in decisions):
+        writes = {
+            rid: state for rid, state in current.items() if state is not None and state != states.get(rid)
+        }
+        return decisions, writes
+
+    # Denied: report each allowed-alone limit as it stands, untouched.
+    reported = []
+    writes = {}
+    for request, decision in zip(requests, decisions, strict=False):
+        rid = row_id(request)
+        if decision.allowed:
+            decision = request.config.decide(states.get(rid), now, 0, request.key.digest)
+        elif decision.state is not None:
+            writes[rid] = decision.state
+        reported.append(decision)
+    return reported, writes
+
+
+class BaseBackend(ABC):
+    """Stores limit state and decides under a lock (or an atomic script).
+
+    Subclasses fetch and lock the state of every row a call touches, read the store's
+    clock, run ``decide_all`` and write back what it returns, as one atomic step.
+    Failures of the store are raised as ``BackendError``.
+    """
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self.options = dict(options)
+
+    @abstractmethod
+    def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
+        """Decide ``requests`` all-or-nothing; consume only when ``apply`` is true."""
+
+    @abstractmethod
+    def reset(self, config: LimitConfig, key: EncodedKey) -> None:
+        """Forget the state of one key, so that it reads as fresh (full)."""
+
+    def refund(self, config: LimitConfig, key: EncodedKey, amount: int) -> Outcome:
+        """Give ``amount`` micro-tokens back to one key, capped at the capacity.
+
+        Returns the state after the refund as the decision of a zero-token call. Backends
+        that cannot return tokens raise NotImplementedError (the default).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot return tokens (refund); the database backend can"
+        )

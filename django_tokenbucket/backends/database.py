@@ -1,0 +1,239 @@
+"""The default backend: rows of ``RateLimit`` on the application's own database.
+
+Each decision locks its rows with ``SELECT ... FOR UPDATE`` (in sorted order, so
+that calls touching several limits cannot deadlock each other), reads the database's
+clock in the same statement, and writes only what changed. Inside the caller's
+transaction the decision joins it: a rollback un-spends the tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from django.db import DatabaseError, connections, router, transaction
+from django.db.models.expressions import RawSQL
+
+from .. import clock
+from ..algorithms import State
+from ..conf import tokenbucket_settings
+from ..config import LimitConfig
+from ..keys import EncodedKey
+from ..models import RateLimit
+from .base import BackendError, BaseBackend, Outcome, Request, RowId, decide_all, row_id
+
+__all__ = ["RETRYABLE_ERRORS", "DatabaseBackend", "error_code"]
+
+logger = logging.getLogger("django_tokenbucket")
+
+#: The database's own time, in microseconds, evaluated when the statement reads the
+#: row, so after any lock wait (checked on PostgreSQL 15 and MariaDB 10.11).
+_NOW_SQL = {
+    "postgresql": "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::bigint",
+    "mysql": "CAST(UNIX_TIMESTAMP(SYSDATE(6)) * 1000000 AS SIGNED)",
+}
+
+#: Errors after which the whole transaction may simply run again: serialization
+#: failures and deadlocks (PostgreSQL and distributed SQL), a unique violation from a
+#: creation race, InnoDB deadlocks and MariaDB's "record has changed".
+RETRYABLE_ERRORS = frozenset({"40001", "40P01", "23505", "1213", "1020"})
+
+
+def error_code(exc: BaseException) -> str | None:
+    """Return the SQLSTATE (PostgreSQL) or error number (MySQL) behind a Django DatabaseError."""
+    cause = exc.__cause__ or exc
+    code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    if code:
+        return str(code)
+    args = getattr(cause, "args", ())
+    if args and isinstance(args[0], int):
+        return str(args[0])
+    return None
+
+
+class DatabaseBackend(BaseBackend):
+    """Store limits in the ``RateLimit`` table.
+
+    Options: ``DATABASE``, the alias to use (default: the router's choice for writes
+    of ``RateLimit``).
+    """
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        super().__init__(options)
+        self.database: str | None = self.options.get("DATABASE")
+        #: Internal errors by code that were retried, and that exhausted the retries:
+        #: figures for tests and operations.
+        self.retried: Counter[str] = Counter()
+        self.gave_up: Counter[str] = Counter()
+
+    def alias(self) -> str:
+        return self.database or router.db_for_write(RateLimit)
+
+    def _now_sql(self, alias: str) -> str | None:
+        if tokenbucket_settings.CLOCK == "app" or clock.override() is not None:
+            return None
+        return _NOW_SQL.get(connections[alias].vendor)
+
+    def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
+        alias = self.alias()
+        if not apply:
+            return self._run(alias, lambda: self._read(alias, requests), write=False)
+        return self._run(alias, lambda: self._consume(alias, requests), write=True)
+
+    def refund(self, config: LimitConfig, key: EncodedKey, amount: int) -> Outcome:
+        """Give ``amount`` micro-tokens back under the row lock, joining the caller's transaction.
+
+        Inside the caller's transaction a rollback takes the refund back too, as it does
+        a consumption.
+        """
+        alias = self.alias()
+        return self._run(alias, lambda: self._refund(alias, config, key, amount), write=True)
+
+    def _run(self, alias: str, work: Callable[[], Outcome], *, write: bool) -> Outcome:
+        try:
+            if not write:
+                return work()
+            if connections[alias].in_atomic_block:
+                # Join the caller's transaction through a savepoint. A serialization
+                # failure here cannot be retried: only the caller can rerun its
+                # transaction, so it propagates as it is.
+                with transaction.atomic(using=alias):
+                    return work()
+            return self._retrying(alias, work)
+        except DatabaseError as exc:
+            connection = connections[alias]
+            if connection.in_atomic_block:
+                if error_code(exc) in RETRYABLE_ERRORS:
+                    raise
+            else:
+                # A connection the server dropped would fail every later call of this
+                # thread outside a request cycle; Django reconnects once it is closed.
+                connection.close_if_unusable_or_obsolete()
+            raise BackendError(f"{type(exc).__name__}: {exc}") from exc
+
+    def reset(self, config: LimitConfig, key: EncodedKey) -> None:
+        alias = self.alias()
+        try:
+            RateLimit.objects.using(alias).filter(name=config.name, key=key.digest).delete()
+        except DatabaseError as exc:
+            raise BackendError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _retrying(self, alias: str, work: Callable[[], Outcome]) -> Outcome:
+        attempts = max(1, int(tokenbucket_settings.RETRY_ATTEMPTS))
+        base = float(tokenbucket_settings.RETRY_BASE_DELAY)
+        cap = float(tokenbucket_settings.RETRY_MAX_DELAY)
+        for attempt in range(attempts):
+            try:
+                with transaction.atomic(using=alias):
+                    return work()
+            except DatabaseError as exc:
+                code = error_code(exc)
+                if code not in RETRYABLE_ERRORS:
+                    raise
+                if attempt == attempts - 1:
+                    self.gave_up[code] += 1
+                    raise
+                self.retried[code] += 1
+                # Full jitter: contenders that collided spread out instead of colliding again.
+                time.sleep(random.uniform(0, min(cap, base * 2**attempt)))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _consume(self, alias: str, requests: Sequence[Request]) -> Outcome:
+        manager = RateLimit.objects.using(alias)
+        now_sql = self._now_sql(alias)
+        unique: dict[RowId, Request] = {}
+        for request in requests:
+            unique.setdefault(row_id(request), request)
+
+        pks: dict[RowId, int] = {}
+        states: dict[RowId, State | None] = {}
+        now: int | None = None
+        for rid in sorted(unique):
+            row = self._lock(manager, rid, now_sql)
+            if row is None:
+                request = unique[rid]
+                fresh = request.config.fresh_state(request.key.digest)
+                # Many callers may create the row at once: exactly one insert wins and
+                # the others wait for it, then lock the row it made.
+                manager.bulk_create(
+                    [
+                        RateLimit(
+                            name=rid[0],
+                            key=rid[1],
+                            label=request.key.label,
+                            value=fresh.value,
+                            ts=fresh.ts,
+                        )
+                    ],
+                    ignore_conflicts=True,
+                )
+                row = self._lock(manager, rid, now_sql)
+                if row is None:
+                    raise DatabaseError(f"rate limit {rid[0]!r}: the row vanished while being created")
+            pk, value, ts, store_now = row
+            pks[rid] = pk
+            states[rid] = State(value, ts)
+            now = store_now
+        if now is None or now_sql is None:
+            # Taken once every row is locked, so no later decision can carry an earlier time.
+            now = clock.app_now()
+
+        decisions, writes = decide_all(requests, states, int(now))
+        for rid, state in writes.items():
+            manager.filter(pk=pks[rid]).update(value=state.value, ts=state.ts)
+        return Outcome(decisions, int(now))
+
+    def _refund(self, alias: str, config: LimitConfig, key: EncodedKey, amount: int) -> Outcome:
+        manager = RateLimit.objects.using(alias)
+        now_sql = self._now_sql(alias)
+        rid = (config.name, key.digest)
+        row = self._lock(manager, rid, now_sql)
+        if row is None:
+            # No row reads as a fresh, full limit: there is nothing to give back to.
+            now = self._read_clock(alias)
+            state = config.fresh_state(key.digest)
+        else:
+            pk, value, ts, store_now = row
+            now = int(store_now) if store_now is not None else clock.app_now()
+            state = config.refund(State(value, ts), now, amount, key.digest)
+            manager.filter(pk=pk).update(value=state.value, ts=state.ts)
+        # Reported as a zero-token read that any debt allows, so that a limit whose
+        # config shrank below its debt still reports its value.
+        reading = replace(config, max_reserved=None)
+        return Outcome([reading.decide(state, now, 0, key.digest, reserve=True)], now)
+
+    @staticmethod
+    def _lock(manager: Any, rid: RowId, now_sql: str | None) -> tuple[int, int, int, int | None] | None:
+        queryset = manager.select_for_update().filter(name=rid[0], key=rid[1])
+        if now_sql is None:
+            rows = list(queryset.values_list("pk", "value", "ts")[:1])
+            return (*rows[0], None) if rows else None
+        rows = list(
+            queryset.annotate(store_now=RawSQL(now_sql, ())).values_list("pk", "value", "ts", "store_now")[:1]
+        )
+        return rows[0] if rows else None
+
+    def _read(self, alias: str, requests: Sequence[Request]) -> Outcome:
+        manager = RateLimit.objects.using(alias)
+        states: dict[RowId, State | None] = {}
+        for request in requests:
+            rid = row_id(request)
+            if rid not in states:
+                rows = list(manager.filter(name=rid[0], key=rid[1]).values_list("value", "ts")[:1])
+                states[rid] = State(*rows[0]) if rows else None
+        now = self._read_clock(alias)
+        decisions, _ = decide_all(requests, states, now)
+        return Outcome(decisions, now)
+
+    def _read_clock(self, alias: str) -> int:
+        now_sql = self._now_sql(alias)
+        if now_sql is None:
+            return clock.app_now()
+        with connections[alias].cursor() as cursor:
+            cursor.execute(f"SELECT {now_sql}")
+            return int(cursor.fetchone()[0])

@@ -1,0 +1,335 @@
+"""System checks: a broken rate-limit setup fails ``manage.py check``, not a request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
+
+from .conf import DEFAULT_BACKEND, DEFAULTS
+from .config import parse_limit
+
+__all__ = ["check_database", "check_settings"]
+
+_SETTINGS_HINT = "See the settings reference in the django_tokenbucket README."
+
+
+@checks.register()
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    errors: list[checks.CheckMessage] = []
+    user = getattr(settings, "TOKENBUCKET", {})
+    if not isinstance(user, dict):
+        return [
+            checks.Error(
+                f"TOKENBUCKET must be a dict, not {type(user).__name__}.",
+                hint=_SETTINGS_HINT,
+                id="django_tokenbucket.E001",
+            )
+        ]
+    unknown = sorted(set(user) - set(DEFAULTS))
+    if unknown:
+        errors.append(
+            checks.Warning(
+                f"TOKENBUCKET has unknown setting(s): {', '.join(map(repr, unknown))}.",
+                hint=f"Known settings: {', '.join(sorted(DEFAULTS))}.",
+                id="django_tokenbucket.W002",
+            )
+        )
+
+    limits = user.get("LIMITS", {})
+    if not isinstance(limits, dict):
+        errors.append(
+            checks.Error(
+                f"TOKENBUCKET['LIMITS'] must be a dict of name -> config, not {type(limits).__name__}.",
+                hint="For example: {'login': {'kind': 'token bucket', 'rate': '5/m'}}.",
+                id="django_tokenbucket.E002",
+            )
+        )
+        limits = {}
+    folded: dict[str, str] = {}
+    for name, spec in limits.items():
+        try:
+            parse_limit(name, spec)
+        except ImproperlyConfigured as exc:
+            errors.append(
+                checks.Error(
+                    str(exc),
+                    hint="A limit is a rate string ('10/m', '5/10m', '1000/day') or a dict with "
+                    "'rate' (and 'period' for a numeric rate), optional 'kind', 'capacity', "
+                    "'max_reserved' and, for fixed windows, 'start'.",
+                    obj=f"TOKENBUCKET['LIMITS'][{name!r}]",
+                    id="django_tokenbucket.E003",
+                )
+            )
+        if isinstance(name, str):
+            other = folded.setdefault(name.casefold(), name)
+            if other != name:
+                errors.append(
+                    checks.Error(
+                        f"rate limits {other!r} and {name!r} differ only in case.",
+                        hint="Databases with case-insensitive collations (MySQL, MariaDB) would "
+                        "store them as one limit; rename one of them.",
+                        id="django_tokenbucket.E004",
+                    )
+                )
+
+    errors.extend(_check_backend(user))
+
+    if not isinstance(user.get("FAIL_OPEN", False), bool):
+        errors.append(
+            checks.Error(
+                f"TOKENBUCKET['FAIL_OPEN'] must be True or False, not {user['FAIL_OPEN']!r}.",
+                id="django_tokenbucket.E006",
+            )
+        )
+    if user.get("CLOCK", "store") not in ("store", "app"):
+        errors.append(
+            checks.Error(
+                f"TOKENBUCKET['CLOCK'] must be 'store' or 'app', not {user['CLOCK']!r}.",
+                hint="'store' (the default) takes time from the database or Redis, so that "
+                "app servers with skewed clocks agree.",
+                id="django_tokenbucket.E007",
+            )
+        )
+    for setting in ("RETRY_ATTEMPTS", "RETRY_BASE_DELAY", "RETRY_MAX_DELAY"):
+        value = user.get(setting, DEFAULTS[setting])
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or value < 0
+            or (setting == "RETRY_ATTEMPTS" and (not isinstance(value, int) or value < 1))
+        ):
+            errors.append(
+                checks.Error(
+                    f"TOKENBUCKET[{setting!r}] must be a non-negative number "
+                    f"(a positive integer for RETRY_ATTEMPTS), not {value!r}.",
+                    id="django_tokenbucket.E008",
+                )
+            )
+    return errors
+
+
+def _check_backend(user: dict[str, Any]) -> list[checks.CheckMessage]:
+    from .backends.base import BaseBackend
+
+    backend = user.get("BACKEND", DEFAULT_BACKEND)
+    problem = None
+    if not isinstance(backend, str):
+        problem = "must be a dotted path (a str)"
+    else:
+        try:
+            backend_class = import_string(backend)
+        except ImportError as exc:
+            problem = f"cannot be imported: {exc}"
+        else:
+            if not (isinstance(backend_class, type) and issubclass(backend_class, BaseBackend)):
+                problem = "is not a subclass of django_tokenbucket.backends.base.BaseBackend"
+    errors: list[checks.CheckMessage] = []
+    if problem:
+        errors.append(
+            checks.Error(
+                f"TOKENBUCKET['BACKEND'] = {backend!r} {problem}.",
+                hint=f"The default is {DEFAULT_BACKEND!r}.",
+                id="django_tokenbucket.E005",
+            )
+        )
+    options = user.get("OPTIONS", {})
+    if not isinstance(options, dict):
+        errors.append(
+            checks.Error(
+                f"TOKENBUCKET['OPTIONS'] must be a dict, not {type(options).__name__}.",
+                hint="For the database backend: {'DATABASE': '<alias>'}.",
+                id="django_tokenbucket.E010",
+            )
+        )
+    return errors
+
+
+@checks.register()
+def check_database(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """Warn when the database backend would run on SQLite without IMMEDIATE transactions.
+
+    SQLite's default DEFERRED transactions take the write lock only at the first write,
+    so two decisions can read the same state and then fail with "database is locked".
+    """
+    from django.db import connections, router
+
+    from .models import RateLimit
+
+    user = getattr(settings, "TOKENBUCKET", {})
+    if not isinstance(user, dict) or user.get("BACKEND", DEFAULT_BACKEND) != DEFAULT_BACKEND:
+        return []
+    options = user.get("OPTIONS") or {}
+    if not isinstance(options, dict):
+        return []  # reported by check_settings (E010)
+    alias = options.get("DATABASE") or router.db_for_write(RateLimit)
+    if alias not in settings.DATABASES:
+        return [
+            checks.Error(
+                f"TOKENBUCKET['OPTIONS']['DATABASE'] = {alias!r} is not in DATABASES.",
+                id="django_tokenbucket.E009",
+            )
+        ]
+    connection = connections[alias]
+    if connection.vendor == "sqlite":
+        mode = str(connection.settings_dict.get("OPTIONS", {}).get("transaction_mode") or "").upper()
+        if mode != "IMMEDIATE":
+            return [
+                checks.Warning(
+                    f"Rate limits are stored in the SQLite database {alias!r} without "
+                    f"IMMEDIATE transactions: concurrent requests will fail with "
+                    f"'database is locked'.",
+                    hint=f"Set DATABASES[{alias!r}]['OPTIONS'] = {{'transaction_mode': "
+                    f"'IMMEDIATE', 'timeout': 5}} (Django 5.1+).",
+                    id="django_tokenbucket.W001",
+                )
+            ]
+    return []
+
+
+@checks.register(checks.Tags.urls)
+def check_declared_limits(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Report ``@ratelimit("name")`` decorators whose name is not in LIMITS.
+
+    The URLconf is loaded first so that every decorated view has been imported.
+    """
+    from django.urls import get_resolver
+
+    from .decorators import declared_limits
+
+    try:
+        get_resolver().url_patterns  # noqa: B018  (importing the views registers their limits)
+    except Exception:  # a broken URLconf is reported by Django's own URL checks
+        return []
+    user = getattr(settings, "TOKENBUCKET", {})
+    limits = user.get("LIMITS", {}) if isinstance(user, dict) else None
+    if not isinstance(limits, dict):
+        return []  # reported by check_settings (E001/E002)
+    return [
+        checks.Error(
+            f"{view} uses rate limit {name!r}, which is not in TOKENBUCKET['LIMITS'].",
+            hint="Define it in TOKENBUCKET['LIMITS'], or give @ratelimit a rate= to define it inline.",
+            obj=view,
+            id="django_tokenbucket.E011",
+        )
+        for name, view in sorted(declared_limits().items())
+        if name not in limits
+    ]
+
+
+REDIS_CACHE_HINT = (
+    "Point TOKENBUCKET['OPTIONS']['CACHE'] at a cache whose BACKEND is 'django_redis.cache.RedisCache' "
+    "(pip install 'django-tokenbucket[redis]')."
+)
+
+
+@checks.register(checks.Tags.caches)
+def check_redis(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Check the cache behind the Redis backend: it exists, is django-redis, and never evicts.
+
+    Under an evicting ``maxmemory-policy`` Redis may delete a bucket's key when memory
+    runs out, and a missing key reads as a full bucket: a silent reset. The policy is
+    read with ``CONFIG GET``; when Redis is down or denies CONFIG (as managed services
+    may), the check says nothing rather than guess.
+    """
+    user = getattr(settings, "TOKENBUCKET", {})
+    if not isinstance(user, dict) or not _is_redis_backend(user.get("BACKEND", DEFAULT_BACKEND)):
+        return []
+    options = user.get("OPTIONS") or {}
+    if not isinstance(options, dict):
+        return []  # reported by check_settings (E010)
+    messages: list[checks.CheckMessage] = []
+    unknown = sorted(map(repr, set(options) - {"CACHE"}))
+    if unknown:
+        messages.append(
+            checks.Error(
+                f"TOKENBUCKET['OPTIONS'] has unknown option(s) for the Redis backend: {', '.join(unknown)}.",
+                hint="The Redis backend takes {'CACHE': '<alias in CACHES>'} (default 'default').",
+                id="django_tokenbucket.E021",
+            )
+        )
+    alias = options.get("CACHE", "default")
+    cache_settings: dict[str, Any] = getattr(settings, "CACHES", {})
+    if not isinstance(alias, str) or alias not in cache_settings:
+        messages.append(
+            checks.Error(
+                f"TOKENBUCKET['OPTIONS']['CACHE'] = {alias!r} is not an alias in CACHES.",
+                hint=REDIS_CACHE_HINT,
+                id="django_tokenbucket.E020",
+            )
+        )
+        return messages
+    cache_backend = cache_settings[alias].get("BACKEND")
+    if not _is_django_redis(cache_backend):
+        messages.append(
+            checks.Warning(
+                f"The Redis rate-limit backend uses CACHES[{alias!r}], whose BACKEND {cache_backend!r} "
+                f"is not a django-redis cache: every rate-limit call will fail.",
+                hint=REDIS_CACHE_HINT,
+                id="django_tokenbucket.W020",
+            )
+        )
+        return messages
+    policy = _eviction_policy(alias)
+    if policy is not None and policy != "noeviction":
+        messages.append(
+            checks.Warning(
+                f"The Redis behind CACHES[{alias!r}] has maxmemory-policy {policy!r}: when its memory is "
+                f"full it may delete rate-limit keys, and a deleted bucket reads as full again.",
+                hint="Set maxmemory-policy to 'noeviction' (a full Redis then fails calls, and "
+                "FAIL_OPEN decides), or give the limits a Redis of their own.",
+                id="django_tokenbucket.W021",
+            )
+        )
+    return messages
+
+
+def _is_redis_backend(path: object) -> bool:
+    if not isinstance(path, str):
+        return False
+    try:
+        from .backends.redis import RedisBackend
+
+        backend_class = import_string(path)
+    except ImportError:
+        return False  # reported by check_settings (E005) when it is the configured backend
+    return isinstance(backend_class, type) and issubclass(backend_class, RedisBackend)
+
+
+def _is_django_redis(path: object) -> bool:
+    if not isinstance(path, str):
+        return False
+    try:
+        from django_redis.cache import RedisCache
+
+        cache_class = import_string(path)
+    except ImportError:
+        return False
+    return isinstance(cache_class, type) and issubclass(cache_class, RedisCache)
+
+
+def _eviction_policy(alias: str) -> str | None:
+    """Return Redis' maxmemory-policy, the first evicting one of a cluster's nodes, or None if unknown."""
+    try:
+        from django_redis import get_redis_connection
+
+        reply = get_redis_connection(alias).config_get("maxmemory-policy")
+    except Exception:  # down, CONFIG denied or renamed, not a Redis: nothing to report
+        return None
+    policies = []
+    pending: list[Any] = [reply]
+    while pending:  # a cluster client answers per node: {node: {name: value}}
+        item = pending.pop()
+        if isinstance(item, dict):
+            for name, value in item.items():
+                if isinstance(value, dict):
+                    pending.append(value)
+                elif (name.decode() if isinstance(name, bytes) else name) == "maxmemory-policy":
+                    policies.append(value.decode() if isinstance(value, bytes) else str(value))
+    evicting = sorted(p for p in policies if p != "noeviction")
+    return evicting[0] if evicting else (policies[0] if policies else None)

@@ -1,0 +1,94 @@
+"""The ``TOKENBUCKET`` setting, read with defaults and re-read when it changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from .config import LimitConfig, parse_limit
+
+__all__ = ["DEFAULTS", "tokenbucket_settings"]
+
+DEFAULT_BACKEND = "django_tokenbucket.backends.database.DatabaseBackend"
+
+DEFAULTS: dict[str, Any] = {
+    "BACKEND": DEFAULT_BACKEND,
+    "OPTIONS": {},
+    "LIMITS": {},
+    "FAIL_OPEN": False,
+    # Serialization failures and deadlocks, when the limiter owns the transaction.
+    "RETRY_ATTEMPTS": 20,
+    "RETRY_BASE_DELAY": 0.001,
+    "RETRY_MAX_DELAY": 0.1,
+    # "store": the database's (or Redis') clock; "app": this host's clock.
+    "CLOCK": "store",
+    # Client addresses (see django_tokenbucket.ip).
+    "TRUSTED_PROXIES": None,
+    "IP_HEADER": None,
+    "IPV6_PREFIX": 64,
+    # HTTP integrations.
+    "RESPONSE": "django_tokenbucket.http.default_response",
+    "HEADERS": False,
+    # Operations: at most one warning per limit per this many seconds when the store
+    # fails (see django_tokenbucket.logs); 0 logs every failure.
+    "LOG_INTERVAL": 10,
+    # Scheduled reserved work (see django_tokenbucket.celery.CELERY_DEFAULTS).
+    "CELERY": {},
+}
+
+
+class TokenBucketSettings:
+    """Attribute access to ``settings.TOKENBUCKET`` merged over DEFAULTS.
+
+    Limits are parsed lazily and cached until the setting changes, so a broken entry
+    is reported by the system checks or on first use, never at import.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] = {}
+        self._limits: dict[str, LimitConfig] | None = None
+
+    @property
+    def user_settings(self) -> dict[str, Any]:
+        value = getattr(settings, "TOKENBUCKET", {})
+        if not isinstance(value, dict):
+            raise ImproperlyConfigured(f"TOKENBUCKET must be a dict, not {type(value).__name__}")
+        return value
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr not in DEFAULTS:
+            raise AttributeError(f"invalid TOKENBUCKET setting {attr!r}")
+        if attr not in self._cache:
+            self._cache[attr] = self.user_settings.get(attr, DEFAULTS[attr])
+        return self._cache[attr]
+
+    def limits(self) -> dict[str, LimitConfig]:
+        """Return every limit in ``LIMITS``, parsed; raise ImproperlyConfigured on the first bad one."""
+        if self._limits is None:
+            raw = self.LIMITS
+            if not isinstance(raw, dict):
+                raise ImproperlyConfigured(
+                    f"TOKENBUCKET['LIMITS'] must be a dict of name -> config, not {type(raw).__name__}"
+                )
+            self._limits = {name: parse_limit(name, spec) for name, spec in raw.items()}
+        return self._limits
+
+    def reload(self) -> None:
+        self._cache.clear()
+        self._limits = None
+
+
+tokenbucket_settings = TokenBucketSettings()
+
+
+@receiver(setting_changed)
+def _reload_settings(*, setting: str, **kwargs: Any) -> None:
+    if setting == "TOKENBUCKET":
+        tokenbucket_settings.reload()
+        from .backends import reset_backend
+
+        reset_backend()

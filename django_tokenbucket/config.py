@@ -1,0 +1,282 @@
+"""Limit definitions: validated once, held as exact integers."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from fractions import Fraction
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+from . import algorithms
+from .algorithms import MAX_AMOUNT, MICRO, Decision, State
+from .rates import parse_period, parse_rate, to_fraction
+
+__all__ = ["FIXED_WINDOW", "TOKEN_BUCKET", "LimitConfig", "parse_limit", "to_micro"]
+
+TOKEN_BUCKET = "token bucket"
+FIXED_WINDOW = "fixed window"
+_KIND_ALIASES = {
+    "token bucket": TOKEN_BUCKET,
+    "token_bucket": TOKEN_BUCKET,
+    "fixed window": FIXED_WINDOW,
+    "fixed_window": FIXED_WINDOW,
+}
+_KNOWN_KEYS = {"kind", "rate", "period", "capacity", "max_reserved", "start", "shadow"}
+#: Periods are whole microseconds and must fit the integer arithmetic comfortably.
+_MAX_PERIOD_US = 2**53
+MAX_NAME_LENGTH = 200
+
+
+def to_micro(amount: Fraction, what: str, given: object) -> int:
+    """Return ``amount`` tokens as micro-tokens, or raise ValueError naming ``what``.
+
+    ``given`` is the value as the user wrote it, quoted in the message.
+    """
+    micro = amount * MICRO
+    if micro.denominator != 1:
+        raise ValueError(f"{what} must have at most 6 decimal places, not {given!r}")
+    if abs(micro) > MAX_AMOUNT:
+        raise ValueError(f"{what} must be at most {MAX_AMOUNT // MICRO:,} tokens, not {given!r}")
+    return int(micro)
+
+
+@dataclass(frozen=True)
+class LimitConfig:
+    """One limit, normalised: amounts in micro-tokens, times in microseconds."""
+
+    name: str
+    kind: str
+    rate: int
+    period: int
+    capacity: int
+    max_reserved: int | None = None
+    start: int | None = None
+    #: Evaluate and report, never block: for rolling out a new limit safely.
+    shadow: bool = False
+
+    @property
+    def period_seconds(self) -> float:
+        return self.period / MICRO
+
+    @property
+    def rate_tokens(self) -> float:
+        return self.rate / MICRO
+
+    @property
+    def capacity_tokens(self) -> float:
+        return self.capacity / MICRO
+
+    @property
+    def max_count(self) -> int | None:
+        """Return the largest count (micro-tokens) that can ever succeed with a reservation."""
+        return None if self.max_reserved is None else self.capacity + self.max_reserved
+
+    def window_offset(self, key_digest: str) -> int:
+        """Return where this key's windows start, in microseconds modulo the period.
+
+        A per-key offset spreads the moments when windows reopen, so clients that were
+        all denied do not come back at the same instant.
+        """
+        if self.start is not None:
+            return self.start % self.period
+        digest = hashlib.sha256(f"{self.name}\x00{key_digest}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") % self.period
+
+    def fresh_state(self, key_digest: str) -> State:
+        """Return the state of this limit for a key nobody has used."""
+        if self.kind == FIXED_WINDOW:
+            return algorithms.fresh_fixed_window(self.capacity, self.period, self.window_offset(key_digest))
+        return algorithms.fresh_token_bucket(self.capacity)
+
+    def decide(
+        self,
+        state: State | None,
+        now: int,
+        count: int,
+        key_digest: str,
+        reserve: bool = False,
+    ) -> Decision:
+        """Run this limit's algorithm on ``state`` (None: a fresh key) at ``now``."""
+        if state is None:
+            state = self.fresh_state(key_digest)
+        if self.kind == FIXED_WINDOW:
+            return algorithms.fixed_window(
+                state,
+                now,
+                count,
+                rate=self.rate,
+                period=self.period,
+                capacity=self.capacity,
+                offset=self.window_offset(key_digest),
+                reserve=reserve,
+                max_reserved=self.max_reserved,
+            )
+        return algorithms.token_bucket(
+            state,
+            now,
+            count,
+            rate=self.rate,
+            period=self.period,
+            capacity=self.capacity,
+            reserve=reserve,
+            max_reserved=self.max_reserved,
+        )
+
+    def refund(self, state: State | None, now: int, amount: int, key_digest: str) -> State:
+        """Return ``state`` once ``amount`` micro-tokens are given back at ``now`` (capped at capacity)."""
+        if state is None:
+            state = self.fresh_state(key_digest)
+        if self.kind == FIXED_WINDOW:
+            return algorithms.fixed_window_refund(
+                state,
+                now,
+                amount,
+                rate=self.rate,
+                period=self.period,
+                capacity=self.capacity,
+                offset=self.window_offset(key_digest),
+            )
+        return algorithms.token_bucket_refund(
+            state, now, amount, rate=self.rate, period=self.period, capacity=self.capacity
+        )
+
+    def validate_count(self, count: object, reserve: bool) -> int:
+        """Return ``count`` in micro-tokens, or raise ValueError naming this limit."""
+        try:
+            amount = to_fraction(count, "count")
+            if amount <= 0:
+                raise ValueError(f"count must be positive, not {count!r}")
+            micro = to_micro(amount, "count", count)
+        except ValueError as exc:
+            raise ValueError(f"rate limit {self.name!r}: {exc}") from None
+        if not reserve and micro > self.capacity:
+            raise ValueError(
+                f"rate limit {self.name!r}: count {count!r} exceeds the capacity "
+                f"{self.capacity_tokens:g} and could never succeed; pass reserve=True "
+                f"to reserve tokens ahead, or raise the capacity"
+            )
+        if reserve and self.max_count is not None and micro > self.max_count:
+            raise ValueError(
+                f"rate limit {self.name!r}: count {count!r} exceeds capacity + "
+                f"max_reserved ({self.max_count / MICRO:g}) and could never succeed"
+            )
+        return micro
+
+
+def parse_limit(name: object, spec: object) -> LimitConfig:
+    """Validate one entry of ``TOKENBUCKET["LIMITS"]`` (or an inline ``config=``).
+
+    Raises ImproperlyConfigured with a message that names the limit and quotes the
+    offending value.
+    """
+    if not isinstance(name, str) or not name or name != name.strip() or not name.isprintable():
+        raise ImproperlyConfigured(
+            f"rate limit name {name!r} must be a non-empty printable string without "
+            f"leading or trailing spaces"
+        )
+    if len(name) > MAX_NAME_LENGTH:
+        raise ImproperlyConfigured(
+            f"rate limit name {name[:40]!r}... is longer than {MAX_NAME_LENGTH} characters"
+        )
+    try:
+        return _parse_spec(name, spec)
+    except (ValueError, TypeError) as exc:
+        raise ImproperlyConfigured(f"rate limit {name!r}: {exc}") from None
+
+
+def _parse_spec(name: str, spec: object) -> LimitConfig:
+    if isinstance(spec, str):
+        spec = {"rate": spec}
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"expected a dict such as {{'rate': '10/m'}} or a rate string, not {spec!r}")
+    unknown = set(spec) - _KNOWN_KEYS
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(sorted(map(repr, unknown)))}; "
+            f"expected some of {', '.join(sorted(_KNOWN_KEYS))}"
+        )
+    kind_given = spec.get("kind", TOKEN_BUCKET)
+    kind = _KIND_ALIASES.get(kind_given) if isinstance(kind_given, str) else None
+    if kind is None:
+        raise ValueError(f"kind must be 'token bucket' or 'fixed window', not {kind_given!r}")
+
+    if "rate" not in spec:
+        raise ValueError("'rate' is required (e.g. 'rate': '10/m', or 'rate': 10 with 'period': 60)")
+    rate_given = spec["rate"]
+    if isinstance(rate_given, str):
+        if "period" in spec:
+            raise ValueError(
+                f"give the period either in the rate string {rate_given!r} or as 'period', not both"
+            )
+        tokens, period_s = parse_rate(rate_given)
+    else:
+        tokens = to_fraction(rate_given, "rate")
+        if "period" not in spec:
+            raise ValueError(f"a numeric rate {rate_given!r} needs 'period' (seconds or a timedelta)")
+        period_s = parse_period(spec["period"])
+    if tokens <= 0:
+        raise ValueError(f"rate must be positive, not {rate_given!r}")
+
+    period_us = period_s * MICRO
+    if period_us.denominator != 1 or period_us > _MAX_PERIOD_US:
+        raise ValueError(
+            f"period must be a whole number of microseconds up to {_MAX_PERIOD_US // MICRO} "
+            f"seconds, not {float(period_s)!r} seconds"
+        )
+    rate = to_micro(tokens, "rate", rate_given)
+
+    capacity = rate
+    if spec.get("capacity") is not None:
+        capacity_tokens = to_fraction(spec["capacity"], "capacity")
+        if capacity_tokens <= 0:
+            raise ValueError(f"capacity must be positive, not {spec['capacity']!r}")
+        capacity = to_micro(capacity_tokens, "capacity", spec["capacity"])
+
+    max_reserved = None
+    if spec.get("max_reserved") is not None:
+        reserved_tokens = to_fraction(spec["max_reserved"], "max_reserved")
+        if reserved_tokens < 0:
+            raise ValueError(f"max_reserved must not be negative, not {spec['max_reserved']!r}")
+        max_reserved = to_micro(reserved_tokens, "max_reserved", spec["max_reserved"])
+
+    start = None
+    if spec.get("start") is not None:
+        if kind != FIXED_WINDOW:
+            raise ValueError("'start' applies to fixed windows only")
+        start_given = spec["start"]
+        if isinstance(start_given, timedelta):
+            start_s = Fraction(start_given // timedelta(microseconds=1), MICRO)
+        else:
+            start_s = to_fraction(start_given, "start")
+        start_us = start_s * MICRO
+        if start_us.denominator != 1:
+            raise ValueError(f"start must be a whole number of microseconds, not {start_given!r}")
+        start = int(start_us)
+
+    shadow = spec.get("shadow", False)
+    if not isinstance(shadow, bool):
+        raise ValueError(f"shadow must be True or False, not {shadow!r}")
+
+    return LimitConfig(
+        name=name,
+        shadow=shadow,
+        kind=kind,
+        rate=rate,
+        period=int(period_us),
+        capacity=capacity,
+        max_reserved=max_reserved,
+        start=start,
+    )
+
+
+def freeze(spec: Any) -> Any:
+    """Return a hashable form of an inline config, for caching its parsed form."""
+    if isinstance(spec, Mapping):
+        return tuple(sorted((str(k), freeze(v)) for k, v in spec.items()))
+    if isinstance(spec, (list, tuple)):
+        return tuple(freeze(v) for v in spec)
+    return (type(spec).__name__, spec)

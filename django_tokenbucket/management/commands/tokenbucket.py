@@ -1,0 +1,353 @@
+"""``manage.py tokenbucket list|show|reset|cleanup``: inspect and maintain rate limits.
+
+Keys on the command line are strings: ``tokenbucket show login alice`` is the bucket of
+``limiter.limit("login", key="alice")``. Keys passed in code as other types hash
+differently (``42`` and ``"42"`` are two buckets), so:
+
+- ``--int KEY`` for an int key (``key=42``);
+- ``--json KEY`` for anything else JSON can say: ``null`` (the global bucket,
+  ``key=None``), numbers, strings and arrays for tuples, e.g. ``'["ip", "203.0.113.7"]'``
+  for the keys that ``@ratelimit(key="ip")`` and the DRF throttles use;
+- ``--digest KEY`` for the stored SHA-256 digest (or a unique prefix of 8+ hex digits),
+  as the admin shows it: works for any key, whatever its type.
+"""
+
+from __future__ import annotations
+
+import json
+from argparse import ArgumentParser
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+from django.db.models import Count
+
+from ...algorithms import State
+from ...backends import get_backend
+from ...backends.base import BackendError, Request
+from ...backends.database import DatabaseBackend
+from ...cleanup import MAX_BATCH_SIZE, cleanup, database_alias
+from ...config import LimitConfig
+from ...keys import EncodedKey, encode_key
+from ...models import RateLimit
+from ...registry import KnownLimit, known_limits
+from ...state import FULL, LIMITED, PARTIAL, LiveState, count_by_state, live_state, one_token, store_now
+from ...text import describe_rate, format_duration, format_tokens
+
+_JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"
+
+
+def _from_json(value: Any) -> Any:
+    """Return the key a JSON value stands for: arrays become tuples, as keys are."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, list)):
+        raise CommandError(f"a JSON key must be null, an integer, a string or an array of these ({_JSON_HINT})")
+    if isinstance(value, list):
+        return tuple(_from_json(part) for part in value)
+    return value
+
+
+class Command(BaseCommand):
+    help = "List, inspect, reset and clean up rate limits (see docs/operations.md)."
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        # Accepted after the subcommand, where people type it.
+        common = ArgumentParser(add_help=False)
+        common.add_argument("--database", help="Database alias of the RateLimit table (default: the backend's).")
+        sub = parser.add_subparsers(dest="subcommand", required=True, metavar="{list,show,reset,cleanup}")
+
+        listing = sub.add_parser(
+            "list", parents=[common], help="Limits with their config, and how many keys each has stored."
+        )
+        listing.add_argument("--no-counts", action="store_true", help="Do not count stored keys (a table scan).")
+
+        for name, text in (("show", "Show a limit, or one key's state now."), ("reset", "Reset one key, or all.")):
+            command = sub.add_parser(name, parents=[common], help=text)
+            command.add_argument("name", help="The limit's name.")
+            command.add_argument(
+                "key", nargs="?", help="The key, a string unless --int, --json or --digest is given."
+            )
+            forms = command.add_mutually_exclusive_group()
+            forms.add_argument("--int", action="store_true", dest="int_key", help="KEY is an integer key.")
+            forms.add_argument("--json", action="store_true", dest="json_key", help=f"KEY is JSON ({_JSON_HINT}).")
+            forms.add_argument(
+                "--digest", action="store_true", help="KEY is the stored SHA-256 digest, or a unique prefix of it."
+            )
+            if name == "reset":
+                command.add_argument(
+                    "--yes", action="store_true", help="Without KEY: reset every key without asking."
+                )
+                command.add_argument(
+                    "--no-input", "--noinput", action="store_false", dest="interactive", help="Never prompt."
+                )
+
+        clean = sub.add_parser("cleanup", parents=[common], help="Delete idle rows (keys that read as fresh).")
+        clean.add_argument(
+            "--batch-size", type=int, default=MAX_BATCH_SIZE, help=f"Rows per batch (1 to {MAX_BATCH_SIZE})."
+        )
+        clean.add_argument(
+            "--remove-unknown", action="store_true", help="Also delete rows of limits that are not configured."
+        )
+        clean.add_argument("--dry-run", action="store_true", help="Report what would be deleted; delete nothing.")
+        clean.add_argument("--max-seconds", type=float, help="Stop after this long (the next run continues).")
+        clean.add_argument(
+            "--pause", type=float, help="Seconds to sleep between batches (default: 0; 0.1 on SQLite)."
+        )
+        clean.add_argument("--name", action="append", dest="names", help="Only this limit (repeatable).")
+        clean.add_argument("--json", action="store_true", dest="as_json", help="Print the report as JSON.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        database = options.get("database")
+        if database is not None and database not in settings.DATABASES:
+            raise CommandError(f"--database: {database!r} does not exist in DATABASES")
+        handler = getattr(self, f"handle_{options['subcommand']}")
+        handler(**options)
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _known(self, name: str, database: str | None) -> KnownLimit:
+        limits = known_limits()
+        if name in limits:
+            return limits[name]
+        known = ", ".join(sorted(limits)) or "none"
+        message = (
+            f"unknown rate limit {name!r}: not in TOKENBUCKET['LIMITS'], not declared inline by a view, "
+            f"and not a DRF throttle scope (known: {known})"
+        )
+        stored = RateLimit.objects.using(database_alias(database)).filter(name=name).count()
+        if stored:
+            message += (
+                f". {stored} row(s) are stored under this name: "
+                f"'manage.py tokenbucket cleanup --remove-unknown' deletes them"
+            )
+        raise CommandError(message)
+
+    def _key(self, options: dict[str, Any]) -> object:
+        raw = options["key"]
+        if raw is None:
+            raise CommandError("--int, --json and --digest need a KEY")
+        if options["int_key"]:
+            try:
+                return int(raw)
+            except ValueError:
+                raise CommandError(f"--int: {raw!r} is not an integer") from None
+        if options["json_key"]:
+            try:
+                return _from_json(json.loads(raw))
+            except json.JSONDecodeError as exc:
+                raise CommandError(f"--json: {raw!r} is not JSON ({exc}); {_JSON_HINT}") from None
+        return raw
+
+    @staticmethod
+    def _require_no_key_form(options: dict[str, Any]) -> None:
+        if options["int_key"] or options["json_key"] or options["digest"]:
+            raise CommandError("--int, --json and --digest need a KEY")
+
+    def _row_by_digest(self, limit: LimitConfig, prefix: str, database: str | None) -> RateLimit:
+        prefix = prefix.lower()
+        if len(prefix) < 8 or any(c not in "0123456789abcdef" for c in prefix):
+            raise CommandError(f"--digest: {prefix!r} is not a digest or a prefix of 8+ hex digits")
+        rows = list(
+            RateLimit.objects.using(database_alias(database))
+            .filter(name=limit.name, key__startswith=prefix)
+            .order_by("key")[:2]
+        )
+        if not rows:
+            raise CommandError(f"no key of {limit.name!r} has a digest starting with {prefix!r}")
+        if len(rows) > 1:
+            raise CommandError(f"the digest prefix {prefix!r} matches several keys of {limit.name!r}: give more digits")
+        return rows[0]
+
+    def _print_live(self, live: LiveState, stored: bool | None) -> None:
+        self.stdout.write(f"  tokens now:   {format_tokens(live.value)} of {format_tokens(live.capacity)}")
+        self.stdout.write(f"  state:        {live.state}")
+        full = "full" if live.full_after == 0 else f"in {format_duration(live.full_after)}"
+        self.stdout.write(f"  full again:   {full}")
+        nxt = "available now" if live.next_token_after == 0 else f"in {format_duration(live.next_token_after)}"
+        self.stdout.write(f"  next token:   {nxt}")
+        if stored is not None:
+            self.stdout.write(f"  stored row:   {'yes' if stored else 'no (a fresh key)'}")
+
+    def _live_from_backend(self, limit: LimitConfig, key: EncodedKey) -> LiveState:
+        backend = get_backend()
+        try:
+            probe = backend.decide([Request(limit, key, 0, reserve=True)], apply=False)
+            decision = probe.decisions[0]
+            wait = 0
+            if decision.value < one_token(limit):
+                retry = backend.decide([Request(limit, key, one_token(limit))], apply=False).decisions[0].retry_after
+                wait = 0 if retry is None else retry
+        except BackendError as exc:
+            raise CommandError(f"the store failed: {exc}") from exc
+        return LiveState(
+            value=decision.value,
+            capacity=limit.capacity,
+            full_after=decision.full_after,
+            next_token_after=wait,
+            now=probe.now,
+            threshold=one_token(limit),
+        )
+
+    # -- list ------------------------------------------------------------------------
+
+    def handle_list(self, *, database: str | None, no_counts: bool, **options: Any) -> None:
+        limits = known_limits()
+        counts: dict[str, int] = {}
+        if not no_counts:
+            rows = (
+                RateLimit.objects.using(database_alias(database))
+                .order_by()
+                .values("name")
+                .annotate(rows=Count("pk"))
+            )
+            counts = {row["name"]: row["rows"] for row in rows}
+        names = sorted(set(limits) | set(counts))
+        if not names:
+            self.stdout.write("No rate limits are configured, and none are stored.")
+            return
+        width = max(len(name) for name in names)
+        for name in names:
+            known = limits.get(name)
+            stored = "" if no_counts else f"  {counts.get(name, 0)} stored key(s)"
+            if known is None:
+                self.stdout.write(f"{name:<{width}}  NOT CONFIGURED{stored}")
+            else:
+                self.stdout.write(f"{name:<{width}}  {describe_rate(known.config)} [{known.source}]{stored}")
+
+    # -- show ------------------------------------------------------------------------
+
+    def handle_show(self, *, name: str, database: str | None, **options: Any) -> None:
+        known = self._known(name, database)
+        limit = known.config
+        self.stdout.write(f"{name}: {describe_rate(limit)} [{known.source}]")
+        if options["key"] is None:
+            self._require_no_key_form(options)
+            self._show_summary(limit, database)
+            return
+        if options["digest"]:
+            row = self._row_by_digest(limit, options["key"], database)
+            alias = row._state.db or database_alias(database)
+            live = live_state(limit, State(row.value, row.ts), row.key, store_now(alias))
+            self.stdout.write(f"key {row.label or '(no label)'} (digest {row.key})")
+            self._print_live(live, stored=True)
+            return
+        key = self._key(options)
+        encoded = encode_key(key)
+        self.stdout.write(f"key {key!r} (digest {encoded.digest})")
+        stored = None
+        if isinstance(get_backend(), DatabaseBackend):
+            stored = (
+                RateLimit.objects.using(database_alias(database)).filter(name=name, key=encoded.digest).exists()
+            )
+        self._print_live(self._live_from_backend(limit, encoded), stored)
+
+    def _show_summary(self, limit: LimitConfig, database: str | None) -> None:
+        alias = database_alias(database)
+        rows = RateLimit.objects.using(alias).filter(name=limit.name)
+        counts = count_by_state(rows, [limit], store_now(alias)).get(limit.name, {})
+        self.stdout.write(f"  stored keys:     {counts.get('stored', 0)}")
+        self.stdout.write(f"  limited now:     {counts.get(LIMITED, 0)}")
+        self.stdout.write(f"  partially used:  {counts.get(PARTIAL, 0)}")
+        self.stdout.write(f"  full (idle):     {counts.get(FULL, 0)}")
+        self.stdout.write("Keys without a stored row are fresh (full). Show one: tokenbucket show NAME KEY")
+
+    # -- reset -----------------------------------------------------------------------
+
+    def handle_reset(self, *, name: str, database: str | None, **options: Any) -> None:
+        known = self._known(name, database)
+        limit = known.config
+        if options["key"] is None:
+            self._require_no_key_form(options)
+            self._reset_all(limit, database, yes=options["yes"], interactive=options["interactive"])
+            return
+        if options["digest"]:
+            row = self._row_by_digest(limit, options["key"], database)
+            row.delete()
+            self.stdout.write(f"Reset {name} key {row.label or row.key}: it starts full again.")
+            return
+        key = self._key(options)
+        encoded = encode_key(key)
+        existed = None
+        if isinstance(get_backend(), DatabaseBackend):
+            existed = (
+                RateLimit.objects.using(database_alias(database)).filter(name=name, key=encoded.digest).exists()
+            )
+        try:
+            get_backend().reset(limit, encoded)
+        except BackendError as exc:
+            raise CommandError(f"the store failed: {exc}") from exc
+        note = " (it had no stored state)" if existed is False else ""
+        self.stdout.write(f"Reset {name} key {key!r}: it starts full again{note}.")
+
+    def _reset_all(self, limit: LimitConfig, database: str | None, *, yes: bool, interactive: bool) -> None:
+        if not isinstance(get_backend(), DatabaseBackend):
+            raise CommandError(
+                "resetting every key of a limit is supported with the database backend only; give a KEY"
+            )
+        alias = database_alias(database)
+        rows = RateLimit.objects.using(alias).filter(name=limit.name)
+        total = rows.count()
+        if total == 0:
+            self.stdout.write(f"{limit.name}: no keys are stored; nothing to reset.")
+            return
+        if not yes:
+            if not interactive:
+                raise CommandError(f"refusing to reset all {total} keys of {limit.name!r} without --yes")
+            answer = input(f"Reset all {total} stored keys of {limit.name!r}? They start full again. [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                raise CommandError("reset cancelled")
+        deleted = 0
+        while True:
+            # In batches, so that no statement locks a large part of a live table.
+            batch = list(rows.order_by().values_list("pk", flat=True)[:MAX_BATCH_SIZE])
+            if not batch:
+                break
+            deleted += RateLimit.objects.using(alias).filter(pk__in=batch).delete()[0]
+        self.stdout.write(f"Reset {deleted} key(s) of {limit.name}: they start full again.")
+
+    # -- cleanup ---------------------------------------------------------------------
+
+    def handle_cleanup(self, *, database: str | None, **options: Any) -> None:
+        names = options["names"]
+        if names:
+            limits = known_limits()
+            unknown = [name for name in names if name not in limits]
+            if unknown:
+                raise CommandError(
+                    f"unknown rate limit(s) {', '.join(map(repr, unknown))}; "
+                    f"known: {', '.join(sorted(limits)) or 'none'}"
+                )
+        try:
+            report = cleanup(
+                names=names,
+                batch_size=options["batch_size"],
+                remove_unknown=options["remove_unknown"],
+                dry_run=options["dry_run"],
+                max_seconds=options["max_seconds"],
+                pause=options["pause"],
+                database=database,
+            )
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        if options["as_json"]:
+            self.stdout.write(json.dumps(report.as_dict(), sort_keys=True))
+            return
+        verb = "Would delete" if report.dry_run else "Deleted"
+        self.stdout.write(
+            f"{verb} {report.deleted_total} idle row(s) in {report.batches} batch(es), {report.seconds:.2f} s "
+            f"({report.rows_per_second:.0f} rows/s; slowest batch {report.slowest_batch * 1000:.1f} ms); "
+            f"kept {report.kept} candidate(s) that are not idle."
+        )
+        for name, deleted in sorted(report.deleted.items()):
+            if deleted:
+                self.stdout.write(f"  {name}: {deleted}")
+        if not report.complete:
+            self.stdout.write("Stopped at --max-seconds; the next run continues.")
+        if report.unknown:
+            removed = options["remove_unknown"] and not names
+            for name, rows in report.unknown.items():
+                state = "removed" if removed and not report.dry_run else "kept"
+                self.stderr.write(f"Limit {name!r} is not configured: {rows} row(s) {state}.")
+            if not removed:
+                self.stderr.write("Delete rows of limits that are not configured with --remove-unknown.")

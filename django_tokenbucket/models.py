@@ -1,0 +1,140 @@
+"""The stored state of every rate limit: two numbers per (name, key)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from django.db import models
+from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
+
+from .algorithms import MICRO
+from .config import MAX_NAME_LENGTH
+from .keys import LABEL_LENGTH
+
+__all__ = ["RateLimit", "Reservation"]
+
+
+class RateLimit(models.Model):
+    """The state of one limit for one key.
+
+    ``key`` is the SHA-256 digest of the user's key (see ``keys.encode_key``), so any key
+    fits and collations cannot merge two of them; ``label`` keeps a readable prefix.
+    ``value`` is in micro-tokens and ``ts`` in microseconds since the Unix epoch: exact
+    integers on every database.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.CharField(_("limit name"), max_length=MAX_NAME_LENGTH)
+    key = models.CharField(_("key digest"), max_length=64)
+    label = models.CharField(_("key"), max_length=LABEL_LENGTH, blank=True, default="")
+    value = models.BigIntegerField(_("value (micro-tokens)"))
+    ts = models.BigIntegerField(_("timestamp (µs since the epoch)"))
+
+    class Meta:
+        verbose_name = _("rate limit")
+        verbose_name_plural = _("rate limits")
+        constraints = [
+            models.UniqueConstraint(fields=["name", "key"], name="django_tokenbucket_name_key"),
+        ]
+        indexes = [
+            # Serves the admin's default order (name, most recently written first) and
+            # its filter by name without sorting, and cleanup's range "rows of this
+            # limit older than T". The id makes the order total, so that pages and
+            # cleanup's keyset batches are stable.
+            models.Index(fields=["name", "-ts", "-id"], name="django_tokenbucket_name_ts"),
+        ]
+        permissions = [("reset_ratelimit", _("Can reset rate limits"))]
+
+    def __str__(self) -> str:
+        return f"{self.name} [{self.label or self.key[:12]}]"
+
+    @property
+    def tokens(self) -> float:
+        """Return the stored value in tokens (as of ``updated_at``, not now)."""
+        return self.value / MICRO
+
+    @property
+    def updated_at(self) -> datetime:
+        return datetime.fromtimestamp(self.ts / MICRO, tz=UTC)
+
+
+class Reservation(models.Model):
+    """Work scheduled with reserved tokens (``django_tokenbucket.celery.schedule``).
+
+    Written in the transaction that reserves the tokens, so that the work and the
+    tokens commit or roll back together; the Celery task claims it once, and the
+    sweeper publishes it again if its message never made it to a worker.
+    """
+
+    class Status(models.TextChoices):
+        #: Not handed to the broker: its ETA is too far away, or publishing failed.
+        SCHEDULED = "scheduled", _("scheduled")
+        #: Handed to the broker (or about to be, right after the commit).
+        SENT = "sent", _("sent")
+        #: Claimed by a worker; visible only with ``atomic=False``.
+        RUNNING = "running", _("running")
+        DONE = "done", _("done")
+        FAILED = "failed", _("failed")
+        CANCELLED = "cancelled", _("cancelled")
+        #: Never ran: still not done ``EXPIRE_AFTER`` after its ETA.
+        EXPIRED = "expired", _("expired")
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(_("limit name"), max_length=MAX_NAME_LENGTH)
+    key = models.CharField(_("key digest"), max_length=64)
+    label = models.CharField(_("key"), max_length=LABEL_LENGTH, blank=True, default="")
+    #: The limit's config when the tokens were reserved (micro-units), so that tokens
+    #: can be returned to an inline limit, or to one since removed from LIMITS.
+    limit = models.JSONField(_("limit config"))
+    count = models.BigIntegerField(_("reserved (micro-tokens)"))
+    eta = models.DateTimeField(_("runs at"))
+    status = models.CharField(_("status"), max_length=16, choices=Status.choices, default=Status.SCHEDULED)
+    task = models.CharField(_("task"), max_length=255)
+    #: The Celery signature as a dict: task, args, kwargs, options.
+    signature = models.JSONField(_("signature"))
+    #: Run the task inside the claim's transaction (its database writes happen once).
+    atomic = models.BooleanField(_("atomic"), default=True)
+    refund_on_failure = models.BooleanField(_("refund on failure"), default=False)
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
+    sent_at = models.DateTimeField(_("last sent"), null=True, blank=True)
+    publish_count = models.PositiveIntegerField(_("times sent"), default=0)
+    started_at = models.DateTimeField(_("started"), null=True, blank=True)
+    finished_at = models.DateTimeField(_("finished"), null=True, blank=True)
+    refunded = models.BigIntegerField(_("refunded (micro-tokens)"), default=0)
+    refunded_at = models.DateTimeField(_("refunded at"), null=True, blank=True)
+    error = models.TextField(_("error"), blank=True, default="")
+
+    class Meta:
+        verbose_name = _("reservation")
+        verbose_name_plural = _("reservations")
+        indexes = [
+            # The sweeper's queries: due reservations of one status, oldest first.
+            models.Index(fields=["status", "eta"], name="django_tokenbucket_res_due"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task} on {self.name} [{self.label or self.key[:12]}] {self.status}"
+
+    @property
+    def tokens(self) -> float:
+        """Return the tokens reserved."""
+        return self.count / MICRO
+
+    @property
+    def refunded_tokens(self) -> float:
+        """Return the tokens given back (by ``refund`` or ``cancel``)."""
+        return self.refunded / MICRO
+
+    def cancel(self) -> bool:
+        """Cancel this reservation if it has not started; see ``reservations.cancel``."""
+        from .reservations import cancel
+
+        return cancel(self)
+
+    def refund(self, count: int | float) -> bool:
+        """Give back unused tokens once the work has started; see ``reservations.refund``."""
+        from .reservations import refund
+
+        return refund(self, count)

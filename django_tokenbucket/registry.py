@@ -1,0 +1,109 @@
+"""Every limit this process can interpret: ``LIMITS``, inline limits, DRF throttle rates.
+
+Stored rows hold only ``(value, ts)``; what they mean depends on their limit's config.
+The admin, the management command and cleanup need that config for rows of inline
+limits too (``@ratelimit(rate=...)``, DRF scopes from ``DEFAULT_THROTTLE_RATES``), or
+they would take live state for a leftover of a deleted limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from django.apps import apps
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+from .conf import tokenbucket_settings
+from .config import LimitConfig, parse_limit
+
+__all__ = ["INLINE", "SETTINGS", "THROTTLE_RATES", "KnownLimit", "known_limits", "record_inline"]
+
+logger = logging.getLogger("django_tokenbucket")
+
+SETTINGS = "settings"
+INLINE = "inline"
+THROTTLE_RATES = "DRF throttle rates"
+
+#: Inline limits seen by this process, by name. Bounded, because a caller could build
+#: names from request data; past the bound, new names are interpreted as unknown
+#: (reported, never deleted without ``--remove-unknown``), which is the safe side.
+_inline: dict[str, LimitConfig] = {}
+_INLINE_MAX = 4096
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class KnownLimit:
+    """A limit's parsed config and where it was defined (``source``)."""
+
+    config: LimitConfig
+    source: str
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+#: ``method_decorator`` applies a decorator once to a throwaway function of its own to
+#: copy its attributes: an inline limit named after that function never sees a request.
+_PHANTOM = "django.utils.decorators."
+
+
+def record_inline(limit: LimitConfig) -> None:
+    """Remember an inline limit (called when the limiter first parses its config)."""
+    if limit.name.startswith(_PHANTOM):
+        return
+    with _lock:
+        if limit.name in _inline or len(_inline) < _INLINE_MAX:
+            _inline[limit.name] = limit
+
+
+def _load_views() -> None:
+    # Inline limits are declared by decorators, which run when their views are
+    # imported: importing the URLconf imports the views (as the system checks do).
+    if not getattr(settings, "ROOT_URLCONF", None):
+        return
+    from django.urls import get_resolver
+
+    try:
+        get_resolver().url_patterns  # noqa: B018
+    except Exception as exc:  # a broken URLconf must not stop cleanup or the admin
+        logger.warning("could not import the URLconf to find inline rate limits: %s", exc)
+
+
+def _throttle_rates() -> dict[str, LimitConfig]:
+    if not apps.is_installed("rest_framework"):
+        return {}
+    from rest_framework.settings import api_settings
+
+    limits = {}
+    for scope, rate in (api_settings.DEFAULT_THROTTLE_RATES or {}).items():
+        if rate is None:  # DRF's way to switch a scope off
+            continue
+        try:
+            limits[scope] = parse_limit(scope, {"rate": rate})
+        except ImproperlyConfigured:
+            continue  # not ours to report: DRF's own throttles may use other syntax
+    return limits
+
+
+def known_limits(*, load_views: bool = True) -> dict[str, KnownLimit]:
+    """Return every limit this process can interpret, by name.
+
+    Precedence follows the limiter's: a scope in ``LIMITS`` wins over the same scope in
+    ``DEFAULT_THROTTLE_RATES``, and an inline config passed at a call site wins over
+    ``LIMITS``. With ``load_views`` the URLconf is imported first, so that limits
+    declared inline by ``@ratelimit`` on its views are known even in a process (a
+    management command, a Celery worker) that has served no request.
+    """
+    if load_views:
+        _load_views()
+    known = {name: KnownLimit(config, THROTTLE_RATES) for name, config in _throttle_rates().items()}
+    known.update((name, KnownLimit(config, SETTINGS)) for name, config in tokenbucket_settings.limits().items())
+    with _lock:
+        inline = list(_inline.values())
+    known.update((config.name, KnownLimit(config, INLINE)) for config in inline)
+    return known

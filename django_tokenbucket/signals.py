@@ -1,0 +1,20 @@
+"""Signals sent for every decision taken by ``limit()`` (not by ``check()``).
+
+Receivers get ``name``, ``key``, ``count`` and ``status``. They run synchronously on the
+request path: keep them cheap (increment a counter, don't do I/O).
+"""
+
+from django.dispatch import Signal
+
+__all__ = ["rate_limit_allowed", "rate_limit_backend_error", "rate_limit_denied"]
+
+#: A call was allowed.
+rate_limit_allowed = Signal()
+
+#: A call was denied, or, with ``shadow=True``, would have been denied by a limit in
+#: shadow mode (and was let through).
+rate_limit_denied = Signal()
+
+#: The store failed. Extra arguments: ``names`` (the limits of the call), ``exception``
+#: and ``fail_open`` (whether the call was allowed anyway).
+rate_limit_backend_error = Signal()

@@ -1,0 +1,261 @@
+"""What a stored row means now: the live view shared by the admin, the command and cleanup.
+
+A row holds ``(value, ts)``; the tokens it holds *now* follow from those two numbers,
+the limit's config and the store's clock. Everything here derives that with the same
+pure functions the backends decide with (``LimitConfig.decide``), or, for filtering
+many rows at once, with SQL that is exact integer (decimal) arithmetic on PostgreSQL
+and MySQL/MariaDB, and exact integers in a registered function on SQLite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from django.db.models import BooleanField, Count, DecimalField, F, Func, Q, QuerySet, Value
+from django.db.models.functions import Cast, Mod
+from django.db.models.lookups import GreaterThanOrEqual
+
+from .algorithms import MICRO, State
+from .config import FIXED_WINDOW, LimitConfig
+
+__all__ = [
+    "FULL",
+    "LIMITED",
+    "PARTIAL",
+    "STATES",
+    "LiveState",
+    "ProductsAtLeast",
+    "at_least_q",
+    "cleanup_span",
+    "count_by_state",
+    "is_idle",
+    "live_state",
+    "one_token",
+    "refill_time",
+    "state_q",
+    "store_now",
+]
+
+LIMITED = "limited"
+PARTIAL = "partial"
+FULL = "full"
+#: The states a row can be in now, for filters and summaries.
+STATES = (LIMITED, PARTIAL, FULL)
+
+
+def one_token(limit: LimitConfig) -> int:
+    """Return what "a call can pass" means for ``limit``: one token, or all of a smaller capacity."""
+    return min(MICRO, limit.capacity)
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """The state of one row now. Amounts in micro-tokens, durations in microseconds."""
+
+    value: int
+    capacity: int
+    #: Until the limit is full again (0 when full).
+    full_after: int
+    #: Until one token (or the whole capacity, when smaller) is there; 0 when it is.
+    next_token_after: int
+    #: When the store read "now", in µs since the epoch.
+    now: int
+    threshold: int
+
+    @property
+    def state(self) -> str:
+        """Return LIMITED (a one-token call would be denied now), PARTIAL or FULL."""
+        if self.value >= self.capacity:
+            return FULL
+        if self.value < self.threshold:
+            return LIMITED
+        return PARTIAL
+
+    @property
+    def fill(self) -> float:
+        """Return how full the limit is, from 0 (empty or in debt) to 1."""
+        return max(0.0, min(1.0, self.value / self.capacity))
+
+    @property
+    def tokens(self) -> float:
+        return self.value / MICRO
+
+
+def live_state(limit: LimitConfig, state: State, key_digest: str, now: int) -> LiveState:
+    """Return what a row with ``state`` holds at ``now`` under ``limit``'s current config."""
+    # reserve=True makes the probe an allowed zero-token call for any value the limit
+    # can hold, so the decision reports the value now without a denial's special cases.
+    probe = limit.decide(state, now, 0, key_digest, reserve=True)
+    threshold = one_token(limit)
+    next_token = 0
+    if probe.value < threshold:
+        wait = limit.decide(state, now, threshold, key_digest).retry_after
+        next_token = 0 if wait is None else wait
+    return LiveState(
+        value=probe.value,
+        capacity=limit.capacity,
+        full_after=probe.full_after,
+        next_token_after=next_token,
+        now=now,
+        threshold=threshold,
+    )
+
+
+def is_idle(limit: LimitConfig, state: State, key_digest: str, now: int) -> bool:
+    """Return whether the row may be deleted: from ``now`` on, it decides like a fresh key.
+
+    A token bucket qualifies once it is full (a full bucket and a fresh one are the
+    same state); a fixed window once it is full *and* its windows start where a fresh
+    key's would (they differ after a change of ``period`` or ``start``).
+    """
+    probe = limit.decide(state, now, 0, key_digest, reserve=True)
+    fresh = limit.decide(None, now, 0, key_digest, reserve=True)
+    return probe.allowed and probe.state == fresh.state
+
+
+def cleanup_span(limit: LimitConfig) -> int:
+    """Return an idle time (µs) after which every row not in debt is full.
+
+    Rows last written before ``now - cleanup_span`` are cleanup's candidates: an index
+    range on ``(name, ts)`` finds them, and ``is_idle`` confirms each one.
+    """
+    return refill_time(limit, limit.capacity)
+
+
+# -- the same derivation in SQL, for filters and counts ------------------------------------
+
+#: Wide enough for products of two amounts of up to 2**54 each: exact on PostgreSQL and
+#: MySQL/MariaDB.
+_WIDE = DecimalField(max_digits=65, decimal_places=0)
+_SQLITE_FUNCTION = "django_tokenbucket_products_ge"
+
+
+def _products_ge(a: int | None, b: int | None, c: int | None, d: int | None) -> int | None:
+    if a is None or b is None or c is None or d is None:
+        return None
+    return int(a * b >= c * d)
+
+
+class ProductsAtLeast(Func):
+    """``a * b >= c * d`` for integer expressions, exactly, where the products overflow 64 bits.
+
+    PostgreSQL and MySQL/MariaDB multiply as wide decimals. SQLite has no such type
+    (an overflowing product would silently become an imprecise double), so there the
+    comparison is a Python function registered on the connection.
+    """
+
+    arity = 4
+    output_field = BooleanField()
+
+    def as_sql(
+        self,
+        compiler: Any,
+        connection: Any,
+        function: str | None = None,
+        template: str | None = None,
+        arg_joiner: str | None = None,
+        **extra_context: Any,
+    ) -> Any:
+        a, b, c, d = self.get_source_expressions()
+        wide = GreaterThanOrEqual(Cast(a, _WIDE) * Cast(b, _WIDE), Cast(c, _WIDE) * Cast(d, _WIDE))
+        return compiler.compile(wide)
+
+    def as_sqlite(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
+        connection.ensure_connection()
+        connection.connection.create_function(_SQLITE_FUNCTION, 4, _products_ge, deterministic=True)
+        return super().as_sql(compiler, connection, function=_SQLITE_FUNCTION, **extra_context)
+
+
+def at_least_q(limit: LimitConfig, threshold: int, now: int) -> Q:
+    """Return a Q for the rows of ``limit`` that hold at least ``threshold`` micro-tokens at ``now``.
+
+    ``threshold`` must not exceed the capacity. Mirrors the algorithms: a token bucket
+    gains ``floor(rate * elapsed / period)``; a fixed window ``rate`` per whole window
+    elapsed; a clock that went backwards gains nothing. Exact on every database.
+    """
+    elapsed = Value(now) - F("ts")
+    if limit.kind == FIXED_WINDOW:
+        # Whole windows elapsed, times the period: elapsed minus what is left of the current one.
+        elapsed = elapsed - Mod(elapsed, Value(limit.period))
+    missing = Value(threshold) - F("value")
+    # value + floor(rate * elapsed / period) >= threshold  <=>  rate * elapsed >= missing * period
+    refilled = Q(ts__lte=now) & Q(ProductsAtLeast(Value(limit.rate), elapsed, missing, Value(limit.period)))
+    return Q(name=limit.name) & (Q(value__gte=threshold) | refilled)
+
+
+def refill_time(limit: LimitConfig, amount: int) -> int:
+    """Return the time (µs) after which a row holding 0 or more holds at least ``amount``."""
+    if limit.kind == FIXED_WINDOW:
+        return -(-amount // limit.rate) * limit.period
+    return -(-amount * limit.period // limit.rate)
+
+
+def _recent_or_in_debt(limit: LimitConfig, amount: int, now: int) -> Q:
+    # Implied by "holds less than amount now": a row not in debt that was last written
+    # longer ago than it takes to refill from 0 holds at least that much. Redundant for
+    # the result, but it lets the database use an index range on (name, ts) (and the
+    # partial index of rows in debt) instead of evaluating every row of the table.
+    return Q(name=limit.name) & (Q(ts__gt=now - refill_time(limit, amount)) | Q(value__lt=0))
+
+
+def state_q(limits: Iterable[LimitConfig], state: str, now: int) -> Q:
+    """Return a Q for the rows of ``limits`` that are in ``state`` (one of STATES) at ``now``."""
+    if state not in STATES:
+        raise ValueError(f"state must be one of {', '.join(STATES)}, not {state!r}")
+    result = Q(pk__in=[])
+    for limit in limits:
+        if state == FULL:
+            part = at_least_q(limit, limit.capacity, now)
+        elif state == LIMITED:
+            threshold = one_token(limit)
+            part = _recent_or_in_debt(limit, threshold, now) & ~at_least_q(limit, threshold, now)
+        else:
+            part = (
+                _recent_or_in_debt(limit, limit.capacity, now)
+                & at_least_q(limit, one_token(limit), now)
+                & ~at_least_q(limit, limit.capacity, now)
+            )
+        result |= part
+    return result
+
+
+def count_by_state(
+    queryset: QuerySet[Any], limits: Iterable[LimitConfig], now: int, *, partial: bool = True
+) -> dict[str, dict[str, int]]:
+    """Return, per limit name in ``queryset``, the rows ``stored`` and how many are ``limited`` now.
+
+    With ``partial``, also ``partial`` and ``full`` (for configured limits). Only rows
+    written recently, or in debt, can be limited or partially used: those two counts
+    come from index ranges, and ``full`` is what remains, so no query evaluates every
+    row of a large table (the plain count per name reads the index only).
+    """
+    limits = list(limits)
+    queryset = queryset.order_by()
+    counts: dict[str, dict[str, int]] = {
+        row["name"]: {"stored": row["n"]} for row in queryset.values("name").annotate(n=Count("pk"))
+    }
+    states = (LIMITED, PARTIAL) if partial else (LIMITED,)
+    for state in states:
+        for row in queryset.filter(state_q(limits, state, now)).values("name").annotate(n=Count("pk")):
+            counts[row["name"]][state] = row["n"]
+    configured = {limit.name for limit in limits}
+    for name, row in counts.items():
+        if name in configured:
+            for state in states:
+                row.setdefault(state, 0)
+            if partial:
+                row[FULL] = row["stored"] - row[LIMITED] - row[PARTIAL]
+    return counts
+
+
+def store_now(alias: str) -> int:
+    """Return the time (µs since the epoch) the database backend would decide with on ``alias``.
+
+    The database's clock unless ``CLOCK`` is ``"app"`` (or a test froze the clock), so
+    that the admin, the command and cleanup see what the next decision would see.
+    """
+    from .backends.database import DatabaseBackend
+
+    return DatabaseBackend({"DATABASE": alias})._read_clock(alias)

@@ -1,0 +1,47 @@
+"""Helpers for testing code that uses rate limits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+
+from . import clock
+from .algorithms import MICRO
+
+__all__ = ["frozen_clock"]
+
+
+class FrozenClock:
+    """A pinned time that a test can move forwards or backwards."""
+
+    def __init__(self, seconds: float) -> None:
+        self.set(seconds)
+
+    def set(self, seconds: float) -> None:
+        clock._override = round(seconds * MICRO)
+
+    def advance(self, seconds: float) -> None:
+        assert clock._override is not None
+        clock._override += round(seconds * MICRO)
+
+    @property
+    def now(self) -> float:
+        assert clock._override is not None
+        return clock._override / MICRO
+
+
+@contextmanager
+def frozen_clock(at: float | datetime = 1_700_000_000.0) -> Iterator[FrozenClock]:
+    """Pin the limiter's clock (store and app clocks alike) for the duration of a block.
+
+    ``at`` is seconds since the epoch or an aware datetime. The yielded object has
+    ``advance(seconds)`` and ``set(seconds)``. Meant for tests: it affects every limit
+    in this process.
+    """
+    previous = clock._override
+    seconds = at.timestamp() if isinstance(at, datetime) else at
+    try:
+        yield FrozenClock(seconds)
+    finally:
+        clock._override = previous

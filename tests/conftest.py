@@ -1,0 +1,120 @@
+"""Fixtures shared by the suite, and the rule for services that are not running.
+
+On a developer's machine a missing database server skips the tests that need it,
+with a message saying how to run them. In CI (``CI=true``) it is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from typing import Any
+
+import pytest
+from django.conf import settings
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+_SERVICES = {
+    "postgres": ("PostgreSQL", os.environ.get("PGHOST", "127.0.0.1"), int(os.environ.get("PGPORT", "5432"))),
+    "mariadb": ("MariaDB", os.environ.get("MYSQL_HOST", "127.0.0.1"), int(os.environ.get("MYSQL_PORT", "3306"))),
+}
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "only_on(*databases): the test concerns these databases only (sqlite, postgres, "
+        "mariadb); the tox envs of the others deselect it",
+    )
+    config.addinivalue_line("markers", "redis: uses the Redis server of tests/settings.py (REDIS_HOST/REDIS_PORT)")
+    config.addinivalue_line(
+        "markers", "redis_processes: starts its own redis-server processes (needs redis-server, redis-cli)"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    db = settings.DB
+    # Tests about one database's behaviour run in that database's env, and are not
+    # collected (rather than skipped) elsewhere: every collected test runs.
+    kept, deselected = [], []
+    for item in items:
+        marker = item.get_closest_marker("only_on")
+        (deselected if marker and db not in marker.args else kept).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
+    _require_redis(config, items)
+    if db not in _SERVICES:
+        return
+    label, host, port = _SERVICES[db]
+    if _reachable(host, port):
+        return
+    message = (
+        f"{label} is not reachable at {host}:{port}; start it (see README, 'Running the tests') "
+        f"or run the SQLite envs only: tox -m sqlite"
+    )
+    if IN_CI:
+        raise pytest.UsageError(f"CI=true and {message}")
+    for item in items:
+        item.add_marker(pytest.mark.skip(reason=message))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    from .concurrency import FIGURES
+
+    if FIGURES:
+        terminalreporter.section("concurrency figures")
+        for figures in FIGURES:
+            terminalreporter.line(json.dumps(figures, sort_keys=True))
+
+
+def _redis_problem(item: pytest.Item, unreachable: str | None, missing: str | None) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    uses_server = item.get_closest_marker("redis") is not None or (
+        callspec is not None and callspec.params.get("backend") == "redis"
+    )
+    if uses_server and unreachable:
+        return unreachable
+    if item.get_closest_marker("redis_processes") is not None and missing:
+        return missing
+    return None
+
+
+def _require_redis(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip (or, in CI, refuse to run) the Redis tests whose server or binaries are missing."""
+    unreachable = None
+    if not _reachable(settings.REDIS_HOST, settings.REDIS_PORT):
+        unreachable = (
+            f"Redis is not reachable at {settings.REDIS_HOST}:{settings.REDIS_PORT}; start it "
+            f"(redis-server --port {settings.REDIS_PORT} --save '' --appendonly no) or set REDIS_HOST/REDIS_PORT"
+        )
+    absent = [binary for binary in ("redis-server", "redis-cli") if shutil.which(binary) is None]
+    missing = f"{' and '.join(absent)} not found on PATH: install Redis 7 to run these tests" if absent else None
+    for item in items:
+        problem = _redis_problem(item, unreachable, missing)
+        if problem is None:
+            continue
+        if IN_CI:
+            raise pytest.UsageError(f"CI=true and {problem}")
+        item.add_marker(pytest.mark.skip(reason=problem))
+
+
+@pytest.fixture
+def redis_store():
+    """TOKENBUCKET overrides for the Redis backend on the ``redis`` cache; deletes this run's keys around the test."""
+    from .redis_servers import delete_keys
+
+    delete_keys()
+    yield {"BACKEND": "django_tokenbucket.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "redis"}}
+    delete_keys()

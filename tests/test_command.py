@@ -1,0 +1,220 @@
+"""``manage.py tokenbucket list|show|reset|cleanup`` and its errors."""
+
+from __future__ import annotations
+
+import json
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from django_tokenbucket import limiter
+from django_tokenbucket.algorithms import MICRO
+from django_tokenbucket.keys import encode_key
+from django_tokenbucket.models import RateLimit
+from django_tokenbucket.testing import frozen_clock
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+T0 = 1_700_000_000.0
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command("tokenbucket", *args, stdout=out, stderr=out)
+    return out.getvalue()
+
+
+def store(name: str, key: object, value_tokens: float, ts: float = T0) -> RateLimit:
+    encoded = encode_key(key)
+    return RateLimit.objects.create(
+        name=name, key=encoded.digest, label=encoded.label, value=round(value_tokens * MICRO), ts=round(ts * MICRO)
+    )
+
+
+def labels() -> set[str]:
+    return set(RateLimit.objects.values_list("label", flat=True))
+
+
+# -- list --------------------------------------------------------------------------------
+
+
+def test_list_shows_every_limit_with_its_config_and_stored_keys():
+    with frozen_clock(T0):
+        limiter.limit("login", "a")
+        limiter.limit("login", "b")
+    store("retired", "x", 1)
+    output = run("list")
+    lines = {line.split()[0]: line for line in output.splitlines()}
+    assert "token bucket: 5 per minute, capacity 5 [settings]  2 stored key(s)" in lines["login"]
+    assert "fixed window: 5 per minute, capacity 5, start 0 s [settings]  0 stored key(s)" in lines["window"]
+    assert "max_reserved 20" in lines["reservable"]
+    assert "[DRF throttle rates]" in lines["anon"]
+    assert "NOT CONFIGURED  1 stored key(s)" in lines["retired"]
+    assert "stored key" not in run("list", "--no-counts")
+    with pytest.raises(CommandError, match="does not exist"):
+        run("list", "--database", "nowhere")
+
+
+# -- show --------------------------------------------------------------------------------
+
+
+def test_show_one_key_now():
+    with frozen_clock(T0) as clock:
+        limiter.limit("ten_per_minute", "alice", count=10)
+        clock.advance(3)
+        output = run("show", "ten_per_minute", "alice")
+    assert "ten_per_minute: token bucket: 10 per minute, capacity 10 [settings]" in output
+    assert f"digest {encode_key('alice').digest}" in output
+    assert "tokens now:   0.5 of 10" in output
+    assert "state:        limited" in output
+    assert "full again:   in 57 s" in output
+    assert "next token:   in 3 s" in output
+    assert "stored row:   yes" in output
+    with frozen_clock(T0):
+        fresh = run("show", "ten_per_minute", "nobody")
+    assert "tokens now:   10 of 10" in fresh and "stored row:   no (a fresh key)" in fresh
+
+
+def test_keys_of_other_types_have_their_own_forms():
+    with frozen_clock(T0):
+        limiter.limit("login", 42, count=1)
+        limiter.limit("login", "42", count=2)
+        limiter.limit("login", ("ip", "203.0.113.7"), count=3)
+        limiter.limit("login", None, count=4)
+        assert "tokens now:   3 of 5" in run("show", "login", "42")  # the string "42"
+        assert "tokens now:   4 of 5" in run("show", "login", "42", "--int")
+        assert "tokens now:   2 of 5" in run("show", "login", '["ip", "203.0.113.7"]', "--json")
+        assert "tokens now:   1 of 5" in run("show", "login", "null", "--json")
+        digest = encode_key(("ip", "203.0.113.7")).digest
+        assert "tokens now:   2 of 5" in run("show", "login", digest[:10], "--digest")
+
+
+def test_show_a_limit_summarises_its_keys_by_state():
+    store("ten_per_minute", "empty", 0)
+    store("ten_per_minute", "partial", 4)
+    store("ten_per_minute", "full", 10, T0 - 600)
+    with frozen_clock(T0):
+        output = run("show", "ten_per_minute")
+    assert "stored keys:     3" in output
+    assert "limited now:     1" in output
+    assert "partially used:  1" in output
+    assert "full (idle):     1" in output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("show", "nope"), "unknown rate limit 'nope'"),
+        (("reset", "nope", "k"), "unknown rate limit 'nope'"),
+        (("show", "login", "x", "--int"), "--int: 'x' is not an integer"),
+        (("show", "login", "{", "--json"), "--json: '{' is not JSON"),
+        (("show", "login", "1.5", "--json"), "a JSON key must be null, an integer, a string or an array"),
+        (("show", "login", "true", "--json"), "a JSON key must be null"),
+        (("show", "login", "--int"), "need a KEY"),
+        (("show", "login", "abc", "--digest"), "is not a digest or a prefix of 8+ hex digits"),
+        (("show", "login", "0" * 64, "--digest"), "no key of 'login' has a digest starting with"),
+        (("cleanup", "--name", "nope"), "unknown rate limit(s) 'nope'"),
+        (("cleanup", "--batch-size", "5000"), "batch_size must be between 1 and 1000"),
+    ],
+)
+def test_errors_are_clear(args, message):
+    with pytest.raises(CommandError) as excinfo:
+        run(*args)
+    assert message in str(excinfo.value)
+
+
+def test_unknown_name_with_stored_rows_says_how_to_remove_them():
+    store("retired", "x", 1)
+    with pytest.raises(CommandError, match=r"1 row\(s\) are stored under this name: .*cleanup --remove-unknown"):
+        run("show", "retired")
+
+
+def test_an_ambiguous_digest_prefix_is_refused():
+    # Two keys whose digests share their first 8 hex digits (birthday bound: ~10^5 tries).
+    seen: dict[str, str] = {}
+    for i in range(2_000_000):
+        key = f"k{i}"
+        prefix = encode_key(key).digest[:8]
+        if prefix in seen:
+            break
+        seen[prefix] = key
+    store("login", seen[prefix], 1)
+    store("login", key, 1)
+    with pytest.raises(CommandError, match="matches several keys"):
+        run("show", "login", prefix, "--digest")
+    assert "tokens now" in run("show", "login", encode_key(key).digest, "--digest")  # the whole digest is unique
+
+
+# -- reset -------------------------------------------------------------------------------
+
+
+def test_reset_one_key():
+    with frozen_clock(T0):
+        limiter.limit("login", "alice", count=5)
+        limiter.limit("login", "bob", count=5)
+        assert "Reset login key 'alice': it starts full again." in run("reset", "login", "alice")
+        assert limiter.get_value("login", "alice") == 5
+        assert limiter.get_value("login", "bob") == 0
+        assert "(it had no stored state)" in run("reset", "login", "alice")
+        limiter.limit("login", 7, count=5)
+        run("reset", "login", "7", "--int")
+        assert limiter.get_value("login", 7) == 5
+    assert labels() == {"bob"}
+
+
+def test_reset_by_digest():
+    row = store("login", ("ip", "198.51.100.1"), 0)
+    assert "Reset login key" in run("reset", "login", row.key[:12], "--digest")
+    assert not RateLimit.objects.exists()
+
+
+def test_reset_all_keys_asks_first(monkeypatch):
+    for key in ("a", "b", "c"):
+        store("login", key, 0)
+    store("ten_per_minute", "other", 0)
+    answers = iter(["n", "yes"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(answers))
+    with pytest.raises(CommandError, match="reset cancelled"):
+        run("reset", "login")
+    assert labels() == {"a", "b", "c", "other"}
+    assert "Reset 3 key(s) of login" in run("reset", "login")
+    assert labels() == {"other"}
+
+
+def test_reset_all_keys_without_a_prompt():
+    store("login", "a", 0)
+    with pytest.raises(CommandError, match="without --yes"):
+        run("reset", "login", "--no-input")
+    assert labels() == {"a"}
+    assert "Reset 1 key(s) of login" in run("reset", "login", "--yes")
+    assert labels() == set()
+    assert "no keys are stored" in run("reset", "login", "--yes")
+
+
+# -- cleanup -----------------------------------------------------------------------------
+
+
+def test_cleanup_reports_and_keeps_unknown_limits_unless_asked():
+    store("login", "idle", 5, 0)
+    store("login", "busy", 0, T0)
+    store("retired", "x", 1, 0)
+    with frozen_clock(T0):
+        dry = run("cleanup", "--dry-run")
+        assert "Would delete 1 idle row(s)" in dry and labels() == {"idle", "busy", "x"}
+        output = run("cleanup")
+    assert "Deleted 1 idle row(s)" in output and "  login: 1" in output
+    assert "Limit 'retired' is not configured: 1 row(s) kept." in output
+    assert "--remove-unknown" in output
+    assert labels() == {"busy", "x"}
+    with frozen_clock(T0):
+        output = run("cleanup", "--remove-unknown")
+    assert "Limit 'retired' is not configured: 1 row(s) removed." in output
+    assert labels() == {"busy"}
+
+
+def test_cleanup_as_json():
+    store("login", "idle", 5, 0)
+    with frozen_clock(T0):
+        report = json.loads(run("cleanup", "--json", "--batch-size", "10", "--name", "login", "--database", "default"))
+    assert report["deleted"] == {"login": 1} and report["complete"] is True and report["batches"] == 1

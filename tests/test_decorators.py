@@ -1,0 +1,234 @@
+"""``@ratelimit`` through Django's test clients, against the real database."""
+
+from __future__ import annotations
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.contrib.auth import get_user_model
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
+from django.test import override_settings
+
+from django_tokenbucket.decorators import declared_limits, ratelimit
+from django_tokenbucket.models import RateLimit
+from django_tokenbucket.testing import frozen_clock
+
+from .settings import TOKENBUCKET as BASE_SETTINGS
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "unreachable"])
+
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture(autouse=True)
+def clock():
+    with frozen_clock(T0) as frozen:
+        yield frozen
+
+
+def statuses(client, path, n, **extra):
+    return [client.get(path, **extra).status_code for _ in range(n)]
+
+
+def test_blocks_with_429_retry_after_and_no_store(client, clock):
+    assert statuses(client, "/inline-ip/", 2) == [200, 200]
+    clock.advance(10)
+    response = client.get("/inline-ip/", HTTP_ACCEPT="application/json")
+    assert response.status_code == 429
+    assert response["Retry-After"] == "20"  # a token every 30 s, 10 s already passed
+    assert response["Cache-Control"] == "no-store"
+    assert response.json() == {"detail": "Too many requests. Retry in 20 seconds.", "retry_after": 20}
+    plain = client.get("/inline-ip/")
+    assert plain["Content-Type"].startswith("text/plain") and b"Retry in 20 seconds" in plain.content
+
+
+def test_retry_after_is_rounded_up_and_at_least_one(client, clock):
+    statuses(client, "/inline-ip/", 2)
+    clock.advance(29.9)
+    assert client.get("/inline-ip/")["Retry-After"] == "1"
+    clock.advance(0.1)
+    assert client.get("/inline-ip/").status_code == 200
+
+
+def test_default_name_is_the_views_dotted_path(client):
+    client.get("/inline-ip/")
+    assert list(RateLimit.objects.values_list("name", flat=True)) == ["tests.views.inline_ip"]
+
+
+def test_each_address_has_its_own_bucket(client):
+    assert statuses(client, "/inline-ip/", 3, REMOTE_ADDR="10.0.0.1") == [200, 200, 429]
+    assert statuses(client, "/inline-ip/", 2, REMOTE_ADDR="10.0.0.2") == [200, 200]
+
+
+def test_block_false_runs_the_view_and_tells_it(client):
+    bodies = [client.get("/soft/").json() for _ in range(3)]
+    assert [b["limited"] for b in bodies] == [False, False, True]
+    assert [b["value"] for b in bodies] == [1, 0, 0]
+
+
+def test_user_key_separates_users_and_anonymous_addresses(client, django_user_model):
+    alice = django_user_model.objects.create_user("alice", password="x")
+    bob = django_user_model.objects.create_user("bob", password="x")
+    client.force_login(alice)
+    assert [client.get("/soft/").json()["limited"] for _ in range(3)] == [False, False, True]
+    client.force_login(bob)
+    assert client.get("/soft/").json()["limited"] is False
+    client.logout()
+    assert client.get("/soft/", REMOTE_ADDR="10.1.1.1").json()["limited"] is False
+    assert client.get("/soft/", REMOTE_ADDR="10.1.1.2").json()["limited"] is False
+
+
+def test_post_field_key_and_method_filter(client):
+    for _ in range(5):
+        assert client.post("/login/", {"username": "alice"}).status_code == 200
+    assert client.post("/login/", {"username": "alice"}).status_code == 429
+    assert client.post("/login/", {"username": "bob"}).status_code == 200
+    assert client.get("/login/").status_code == 200  # GET is not counted (method=UNSAFE)
+
+
+def test_missing_field_falls_back_to_the_address_not_a_shared_bucket(client):
+    for _ in range(5):
+        client.post("/login/", {}, REMOTE_ADDR="10.2.0.1")
+    assert client.post("/login/", {}, REMOTE_ADDR="10.2.0.1").status_code == 429
+    assert client.post("/login/", {}, REMOTE_ADDR="10.2.0.2").status_code == 200
+
+
+def test_dotted_path_key(client):
+    assert client.get("/dotted/", HTTP_X_TENANT="a").status_code == 200
+    assert client.get("/dotted/", HTTP_X_TENANT="a").status_code == 429
+    assert client.get("/dotted/", HTTP_X_TENANT="b").status_code == 200
+
+
+def test_a_key_function_returning_none_exempts_the_request(client):
+    assert statuses(client, "/exemptable/", 2) == [200, 429]
+    assert statuses(client, "/exemptable/?staff=1", 3) == [200, 200, 200]
+
+
+def test_weighted_count(client):
+    assert client.get("/weighted/?cost=7").json()["value"] == 3
+    assert client.get("/weighted/?cost=4").status_code == 429
+    assert client.get("/weighted/?cost=3").status_code == 200
+
+
+async def test_async_view(async_client):
+    try:
+        codes = [(await async_client.get("/async/")).status_code for _ in range(3)]
+    finally:
+        # The database work ran in asgiref's worker thread, on its own connection.
+        await sync_to_async(connections.close_all)()
+    assert codes == [200, 200, 429]
+
+
+def test_async_wrapper_stays_a_coroutine_function():
+    from asgiref.sync import iscoroutinefunction
+
+    from . import views
+
+    assert iscoroutinefunction(views.async_view)
+
+
+def test_class_decorator_limits_every_method(client):
+    assert client.get("/class/").status_code == 200
+    assert client.post("/class/").status_code == 200
+    assert client.get("/class/").status_code == 429
+    assert RateLimit.objects.get().name == "tests.views.ClassView"
+
+
+def test_method_decorator(client):
+    assert statuses(client, "/method/", 2) == [200, 429]
+    assert RateLimit.objects.get().name == "tests.views.MethodDecorated.get"
+
+
+def test_shadow_mode_never_blocks_but_says_it_would(client):
+    bodies = [client.get("/shadowed/") for _ in range(3)]
+    assert [b.status_code for b in bodies] == [200, 200, 200]
+    assert [b.json()["would_deny"] for b in bodies] == [False, True, True]
+    assert [b.json()["limited"] for b in bodies] == [False, False, False]
+
+
+def test_rate_limited_raised_in_a_view_becomes_429(client):
+    assert client.get("/raises/?who=a").status_code == 200
+    response = client.get("/raises/?who=a")
+    assert response.status_code == 429 and response["Retry-After"] == "60"
+    assert response["Cache-Control"] == "no-store"
+
+
+def test_store_failure_answers_503_not_500(client):
+    failing = {**BASE_SETTINGS, "OPTIONS": {"DATABASE": "unreachable"}, "RETRY_ATTEMPTS": 1}
+    with override_settings(TOKENBUCKET=failing):
+        response = client.get("/probe/", HTTP_ACCEPT="application/json")
+        assert response.status_code == 503 and response["Cache-Control"] == "no-store"
+        with override_settings(TOKENBUCKET={**failing, "FAIL_OPEN": True}):
+            assert client.get("/probe/").status_code == 200
+
+
+def test_response_is_replaceable(client):
+    custom = {**BASE_SETTINGS, "RESPONSE": "tests.test_decorators.teapot"}
+    with override_settings(TOKENBUCKET=custom):
+        statuses(client, "/inline-ip/", 2)
+        response = client.get("/inline-ip/")
+    assert response.status_code == 418 and response["Retry-After"] == "30"
+
+
+def teapot(request, status):
+    from django.http import HttpResponse
+
+    return HttpResponse("slow down", status=418)
+
+
+class TestRateLimitHeaders:
+    @pytest.fixture(autouse=True)
+    def headers_on(self):
+        with override_settings(TOKENBUCKET={**BASE_SETTINGS, "HEADERS": True}):
+            yield
+
+    def test_on_allowed_and_denied_responses(self, client, clock):
+        first = client.get("/inline-ip/")
+        assert first["RateLimit-Policy"] == '"tests.views.inline_ip";q=2;w=60'
+        assert first["RateLimit"] == '"tests.views.inline_ip";r=1;t=30'
+        client.get("/inline-ip/")
+        clock.advance(5)
+        denied = client.get("/inline-ip/")
+        assert denied.status_code == 429
+        assert denied["RateLimit"] == '"tests.views.inline_ip";r=0;t=25'
+        assert int(denied["Retry-After"]) >= 25
+
+    def test_off_by_default(self, client):
+        with override_settings(TOKENBUCKET=BASE_SETTINGS):
+            assert not client.get("/inline-ip/").has_header("RateLimit")
+
+
+class TestDeclarations:
+    def test_inline_limit_needs_a_rate_or_a_name(self):
+        with pytest.raises(ImproperlyConfigured, match="rate="):
+            ratelimit(capacity=3)
+        with pytest.raises(ImproperlyConfigured, match="needs the name"):
+            ratelimit()
+
+    def test_bad_key_spec_fails_at_decoration(self):
+        with pytest.raises(ImproperlyConfigured, match="unknown rate-limit key"):
+            ratelimit("login", key="cookie:x")
+
+    def test_bad_inline_rate_fails_at_decoration(self):
+        with pytest.raises(ImproperlyConfigured, match="10/M"):
+            ratelimit(rate="10/M")(lambda request: None)
+
+    def test_undefined_limit_name_fails_the_system_check(self, monkeypatch):
+        from django_tokenbucket import decorators
+
+        # The registration is global: undo it so that later check runs stay clean.
+        monkeypatch.setattr(decorators, "_declared", dict(decorators._declared))
+
+        @ratelimit("no_such_limit_anywhere")
+        def view(request):
+            raise AssertionError
+
+        errors = [e for e in checks.run_checks() if e.id == "django_tokenbucket.E011"]
+        assert len(errors) == 1 and "no_such_limit_anywhere" in errors[0].msg
+        assert "no_such_limit_anywhere" in declared_limits()
+
+
+@pytest.fixture
+def django_user_model():
+    return get_user_model()

@@ -1,0 +1,307 @@
+"""Key encoding (B7, B8, B9 and property (b)), unit-level and end to end on the database."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from django_tokenbucket import limiter
+from django_tokenbucket.keys import LABEL_LENGTH, encode_key
+from django_tokenbucket.testing import frozen_clock
+
+HEX64 = re.compile(r"[0-9a-f]{64}", re.ASCII)
+
+
+def assert_safe_label(label: str) -> None:
+    assert isinstance(label, str)
+    assert len(label) <= LABEL_LENGTH == 64
+    assert label.isprintable()
+    assert "\x00" not in label
+    assert not any(unicodedata.category(c) == "Cs" for c in label)
+    label.encode("utf-8")  # strict: no lone surrogates survive
+
+
+def assert_digest(digest: str) -> None:
+    assert isinstance(digest, str)
+    assert HEX64.fullmatch(digest), digest
+
+
+# ---------------------------------------------------------------------------------------
+# B7: long keys
+# ---------------------------------------------------------------------------------------
+
+LONG_KEYS = {
+    "300 chars": "k" * 300,
+    "10 KB": "é" * 5 * 1024,
+    "1 MB str": "x" * 2**20,
+    "1 MB bytes": b"\xff" * 2**20,
+    "1 MB tuple": ("user", "y" * 2**20),
+}
+
+
+@pytest.mark.parametrize("key", LONG_KEYS.values(), ids=LONG_KEYS.keys())
+def test_long_keys_give_a_64_char_digest(key):
+    encoded = encode_key(key)
+    assert_digest(encoded.digest)
+    assert_safe_label(encoded.label)
+
+
+def test_long_keys_differing_only_at_the_end_are_distinct():
+    base = "a" * 2**20
+    digests = {encode_key(base + tail).digest for tail in ("", "b", "c", "bb")}
+    digests.add(encode_key(base[:-1]).digest)
+    assert len(digests) == 5
+    # The label keeps the readable prefix, which is the same: only the digest tells them apart.
+    assert encode_key(base + "b").label == encode_key(base + "c").label == "a" * 64
+
+
+def test_short_label_is_the_key():
+    assert encode_key("alice").label == "alice"
+    assert encode_key(None).label == ""
+    assert encode_key("k" * 300).label == "k" * 64
+
+
+# ---------------------------------------------------------------------------------------
+# B8: awkward characters, bytes, normalisation and case
+# ---------------------------------------------------------------------------------------
+
+AWKWARD_KEYS = [
+    "\x00",
+    "a\x00b",
+    "\ud800",  # lone surrogate
+    "\udfff",
+    "a\ud800b",
+    "\ud83d\ude00",  # a surrogate *pair* as two code points, not the emoji
+    "\U0001f600",  # the emoji itself
+    "\n",
+    "\u200b",  # zero width space
+    "\u202e",  # right-to-left override
+    "\x7f",
+    "\x85",
+    "é",
+    "e\u0301",
+    "Bob",
+    "bob",
+    "bób",
+    "BOB",
+    "ß",
+    "ss",
+    "ﬀ",  # LATIN SMALL LIGATURE FF
+    "ff",
+    "",
+    " ",
+    "i",
+    "İ",
+]
+
+
+@pytest.mark.parametrize("key", AWKWARD_KEYS, ids=ascii)
+def test_awkward_strings_encode(key):
+    encoded = encode_key(key)
+    assert_digest(encoded.digest)
+    assert_safe_label(encoded.label)
+
+
+def test_awkward_strings_are_distinct():
+    digests = {encode_key(k).digest for k in AWKWARD_KEYS}
+    assert len(digests) == len(AWKWARD_KEYS)
+
+
+def test_bytes_and_str_of_the_same_text_are_distinct():
+    for text in ("alice", "é", "", "\x00"):
+        assert encode_key(text).digest != encode_key(text.encode()).digest
+    assert encode_key(b"\xff").digest != encode_key("\xff").digest
+    # bytearray and memoryview are the same bytes as bytes.
+    assert encode_key(bytearray(b"ab")).digest == encode_key(b"ab").digest == encode_key(memoryview(b"ab")).digest
+
+
+def test_nfc_and_nfd_are_distinct():
+    nfc, nfd = "\u00e9", "e\u0301"
+    assert unicodedata.normalize("NFC", nfd) == nfc
+    assert encode_key(nfc).digest != encode_key(nfd).digest
+
+
+def test_case_and_accents_are_distinct():
+    digests = [encode_key(k).digest for k in ("Bob", "bob", "bób", "BOB", "Bób")]
+    assert len(set(digests)) == 5
+    # A digest is lowercase hex: collations that fold case see the same string only
+    # when the keys were the same.
+    assert all(d == d.lower() for d in digests)
+
+
+@pytest.mark.parametrize("key", ["\x00", "\ud800", "a\ud800b", b"\x00\xff", ("\x00", b"\x00", "\udfff")], ids=ascii)
+def test_labels_escape_what_databases_cannot_store(key):
+    label = encode_key(key).label
+    assert_safe_label(label)
+    assert label  # something readable is kept
+
+
+# ---------------------------------------------------------------------------------------
+# B9: key parts cannot be spliced
+# ---------------------------------------------------------------------------------------
+
+DISTINCT_GROUPS = [
+    [("user", "a:b"), ("user:a", "b"), ("user", "a", "b"), "user:a:b", ("user:a:b",)],
+    [("a", "b:c"), ("a:b", "c")],
+    [("a", "bc"), ("ab", "c"), ("abc",), "abc", ("a", "b", "c")],
+    ["a", ("a",), (("a",),), ("a", "b"), (("a", "b"),)],
+    [1, "1", b"1", (1,), ("1",), 10, -1, "-1"],
+    [None, "", b"", (), (None,), ("",), 0, "0", "N"],
+    [("s1:a",), ("s", "a"), "s1:a"],
+    [(1, 23), (12, 3), (123,), ("1", 23)],
+    [("", ""), ("",), ()],
+]
+
+
+@pytest.mark.parametrize("group", DISTINCT_GROUPS, ids=repr)
+def test_spliced_keys_are_distinct(group):
+    digests = [encode_key(k).digest for k in group]
+    assert len(set(digests)) == len(group)
+
+
+@pytest.mark.parametrize("key", [True, False, ("user", True), (1, (False,))], ids=repr)
+def test_bools_are_rejected(key):
+    with pytest.raises(TypeError):
+        encode_key(key)
+
+
+@pytest.mark.parametrize("key", [1.0, 1.5, object(), {"a": 1}, {"a"}, ("a", 1.0)], ids=repr)
+def test_other_types_are_rejected(key):
+    with pytest.raises(TypeError):
+        encode_key(key)
+
+
+def test_lists_and_tuples_share_a_bucket():
+    # A list is accepted as a tuple of parts (keys often arrive as JSON arrays).
+    assert encode_key(["a", 1]).digest == encode_key(("a", 1)).digest
+
+
+def test_encoding_is_deterministic():
+    # Stored digests outlive processes: no per-process hash seed may enter them.
+    assert encode_key("alice").digest == encode_key("alice").digest
+    assert encode_key(("user", 42)).digest == encode_key(("user", 42)).digest
+
+
+# ---------------------------------------------------------------------------------------
+# Property (b): injective, and always a safe digest and label
+# ---------------------------------------------------------------------------------------
+
+_ANY_CHAR = st.characters(exclude_categories=())  # surrogates included
+_PARTS = st.text(alphabet=_ANY_CHAR) | st.binary() | st.integers()
+_KEYS = st.recursive(
+    st.none() | _PARTS,
+    lambda children: st.lists(children, max_size=4).map(tuple),
+    max_leaves=8,
+)
+
+
+@given(st.lists(_KEYS, min_size=2, max_size=8, unique=True))
+def test_encoding_is_injective(keys):
+    digests = {encode_key(k).digest for k in keys}
+    assert len(digests) == len(keys)
+
+
+@given(st.tuples(_PARTS, _PARTS), st.tuples(_PARTS, _PARTS))
+def test_two_part_keys_injective(a, b):
+    if a != b:
+        assert encode_key(a).digest != encode_key(b).digest
+
+
+@given(st.lists(st.text(alphabet=_ANY_CHAR, max_size=3), min_size=1, max_size=4))
+def test_splitting_the_same_text_differently_is_distinct(parts):
+    joined = "".join(parts)
+    assert encode_key(tuple(parts)).digest != encode_key(joined).digest
+    if len(parts) > 1:
+        assert encode_key(tuple(parts)).digest != encode_key((joined,)).digest
+
+
+@given(_KEYS)
+def test_digest_and_label_are_always_safe(key):
+    encoded = encode_key(key)
+    assert_digest(encoded.digest)
+    assert_safe_label(encoded.label)
+
+
+# ---------------------------------------------------------------------------------------
+# End to end: the database gives these keys distinct buckets, and any key fits
+# ---------------------------------------------------------------------------------------
+
+E2E_KEYS = [
+    ("user", "a:b"),
+    ("user:a", "b"),
+    "a",
+    ("a",),
+    1,
+    "1",
+    b"1",
+    "\x00",
+    "a\x00b",
+    "\ud800",
+    "alice",
+    b"alice",
+    "é",
+    "e\u0301",
+    "Bob",
+    "bob",
+    "bób",
+    "BOB",
+    "k" * 300,
+    "k" * 301,
+    None,
+]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_distinct_buckets_end_to_end():
+    from django_tokenbucket.models import RateLimit
+
+    capacity = 5  # 'login' is '5/m' in tests/settings.py
+    with frozen_clock():
+        exhausted = []
+        for key in E2E_KEYS:
+            for _ in range(capacity):
+                assert limiter.limit("login", key=key).ok, ascii(key)
+            denied = limiter.limit("login", key=key)
+            assert not denied.ok and denied.retry_after > 0
+            exhausted.append(key)
+            for other in E2E_KEYS:
+                expected = 0 if other in exhausted else capacity
+                assert limiter.get_value("login", key=other) == expected, (ascii(key), ascii(other))
+    rows = list(RateLimit.objects.filter(name="login"))
+    assert len(rows) == len(E2E_KEYS)
+    for row in rows:
+        assert_digest(row.key)
+        assert_safe_label(row.label)
+    assert {row.key for row in rows} == {encode_key(k).digest for k in E2E_KEYS}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("key", [LONG_KEYS["1 MB str"], LONG_KEYS["1 MB bytes"], LONG_KEYS["1 MB tuple"], LONG_KEYS["10 KB"]], ids=["1 MB str", "1 MB bytes", "1 MB tuple", "10 KB"])
+def test_huge_key_end_to_end(key):
+    from django_tokenbucket.models import RateLimit
+
+    with frozen_clock():
+        status = limiter.limit("login", key=key)
+        assert status.ok and status.value == 4
+        assert limiter.get_value("login", key=key) == 4
+        # The same key is found again: the digest is the whole identity.
+        assert limiter.limit("login", key=key).value == 3
+    row = RateLimit.objects.get(name="login")
+    assert len(row.key) == 64
+    assert_digest(row.key)
+    assert row.key == encode_key(key).digest
+    assert_safe_label(row.label)
+    assert row.value == 3_000_000
+
+
+@pytest.mark.django_db(transaction=True)
+def test_bool_key_is_rejected_end_to_end():
+    from django_tokenbucket.models import RateLimit
+
+    with pytest.raises((TypeError, ValueError)):
+        limiter.limit("login", key=True)
+    assert not RateLimit.objects.exists()

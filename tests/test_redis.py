@@ -1,0 +1,679 @@
+"""What only the Redis backend does: the Lua script's arithmetic, keys, TTLs, NOSCRIPT,
+failures of a real Redis, system checks, and exactness under several processes.
+
+The shared behaviour is in test_conformance.py (its ``redis`` param). Servers that a
+test breaks (stops, pauses, restarts, fills) are redis-server processes it starts on a
+port of its own (tests/redis_servers.py); nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from functools import partial
+
+import pytest
+import redis
+from django.conf import settings
+from django.core.cache import caches
+from django.core.checks import run_checks
+from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
+from hypothesis import HealthCheck, assume, event, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from django_tokenbucket import BackendUnavailable, LimitRequest, limiter
+from django_tokenbucket import clock as clock_module
+from django_tokenbucket.algorithms import MAX_AMOUNT, MICRO, State
+from django_tokenbucket.backends import get_backend
+from django_tokenbucket.backends.base import Request, decide_all, row_id
+from django_tokenbucket.backends.redis import MAX_TTL_MS, SCRIPT, RedisBackend, state_key
+from django_tokenbucket.config import FIXED_WINDOW, TOKEN_BUCKET, LimitConfig, parse_limit
+from django_tokenbucket.keys import encode_key
+from django_tokenbucket.testing import frozen_clock
+
+from .concurrency import hammer, run_processes, summarise
+from .redis_servers import RedisServer, delete_keys, keys_without_ttl
+from .settings import TOKENBUCKET as BASE_SETTINGS
+
+pytestmark = pytest.mark.redis
+
+T0 = 1_700_000_000.0
+T0_US = int(T0 * MICRO)
+REDIS_BACKEND = "django_tokenbucket.backends.redis.RedisBackend"
+
+
+@pytest.fixture
+def backend(redis_store):
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, **redis_store}):
+        backend = get_backend()
+        assert isinstance(backend, RedisBackend)
+        yield backend
+
+
+@contextmanager
+def pinned(now_us: int):
+    """Pin the limiter's clock to an exact microsecond (frozen_clock takes float seconds)."""
+    previous = clock_module._override
+    clock_module._override = now_us
+    try:
+        yield
+    finally:
+        clock_module._override = previous
+
+
+def stored_state(backend: RedisBackend, config: LimitConfig, key) -> State | None:
+    raw = backend.client().get(backend.key(config, encode_key(key)))
+    if raw is None:
+        return None
+    value, ts = raw.split()
+    return State(int(value), int(ts))
+
+
+def our_keys(backend: RedisBackend) -> str:
+    return f"{caches[backend.cache_alias].key_prefix}:*"
+
+
+# ---------------------------------------------------------------------------------------
+# Parity: the Lua script and the Python algorithms agree on every generated trace
+# ---------------------------------------------------------------------------------------
+
+EXTREME_AMOUNTS = [1, 2, 3, 999_999, MICRO, MICRO + 1, 2**31, 2**52 - 1, 2**52, MAX_AMOUNT - 1, MAX_AMOUNT]
+EXTREME_PERIODS = [1, 2, 7, MICRO, 60 * MICRO, 86_400 * MICRO, 2**40, 2**52 + 1, 2**53]
+
+amounts = st.one_of(
+    st.integers(1, 100) .map(lambda n: n * MICRO),  # whole tokens, as most configs have
+    st.integers(1, 10**7),
+    st.integers(1, MAX_AMOUNT),
+    st.sampled_from(EXTREME_AMOUNTS),
+)
+periods = st.one_of(
+    st.integers(1, 3600).map(lambda n: n * MICRO),
+    st.integers(1, 10**9),
+    st.integers(1, 2**53),
+    st.sampled_from(EXTREME_PERIODS),
+)
+# Time steps: mostly forwards, sometimes backwards, from microseconds to centuries.
+steps = st.one_of(
+    st.integers(0, 10),
+    st.integers(0, 10 * MICRO),
+    st.integers(-MICRO, 100 * MICRO),
+    st.integers(-(2**50), 2**50),
+    st.sampled_from([0, 1, -1, 2**53, -(2**53)]),
+)
+start_times = st.one_of(st.just(T0_US), st.integers(0, 2**53), st.integers(-(2**53), 2**54))
+
+
+@st.composite
+def limit_configs(draw, name: str) -> LimitConfig:
+    kind = draw(st.sampled_from([TOKEN_BUCKET, FIXED_WINDOW]))
+    return LimitConfig(
+        name=name,
+        kind=kind,
+        rate=draw(amounts),
+        period=draw(periods),
+        capacity=draw(amounts),
+        max_reserved=draw(st.one_of(st.none(), st.just(0), amounts)),
+        start=draw(st.one_of(st.none(), st.integers(-(2**53), 2**53))) if kind == FIXED_WINDOW else None,
+    )
+
+
+@st.composite
+def traces(draw):
+    # Two limits may share a name (and so their rows), as inline configs of one name can.
+    names = draw(st.lists(st.sampled_from(["p", "q", "a limit with spaces {and braces}"]), min_size=1, max_size=3))
+    configs = [draw(limit_configs(name)) for name in names]
+    keys = [encode_key(k) for k in ("alice", None, ("tenant", 7))]
+    counts = st.one_of(st.integers(1, 3 * MICRO), st.integers(1, MAX_AMOUNT), st.sampled_from(EXTREME_AMOUNTS))
+    request = st.builds(
+        lambda c, k, count, reserve: Request(configs[c], keys[k], count, reserve),
+        st.integers(0, len(configs) - 1),
+        st.integers(0, len(keys) - 1),
+        counts,
+        st.booleans(),
+    )
+    trace = draw(st.lists(st.tuples(steps, st.lists(request, min_size=1, max_size=3), st.booleans()), max_size=12))
+    return draw(start_times), trace
+
+
+def replay(backend: RedisBackend, start: int, trace, note=lambda label: None) -> None:
+    """Run ``trace`` through decide_all (Python) and the script; require identical results."""
+    delete_keys()
+    model: dict = {}
+    now = start
+    client = backend.client()
+    for step, (dt, requests, apply) in enumerate(trace):
+        now += dt
+        rows = {row_id(r): model.get(row_id(r)) for r in requests}
+        expected, writes = decide_all(requests, rows, now)
+        with pinned(now):
+            outcome = backend.decide(requests, apply=apply)
+        assert outcome.now == now
+        assert outcome.decisions == expected, f"step {step}"
+        for decision in expected:
+            note("allowed" if decision.allowed else "denied")
+            numbers = [decision.value, decision.retry_after or 0, decision.full_after, now]
+            if any(abs(n) > 2**53 for n in numbers):
+                note("a result beyond 2^53")
+        if apply:
+            model.update(writes)
+        for request in requests:
+            key = backend.key(request.config, request.key)
+            raw = client.get(key)
+            got = None if raw is None else State(*map(int, raw.split()))
+            assert got == model.get(row_id(request)), f"step {step}: stored state of {key}"
+            if raw is not None:
+                assert client.pttl(key) > 0
+
+
+PARITY = hypothesis_settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+
+
+@PARITY
+@given(traces())
+def test_lua_and_python_agree_on_every_decision(backend, case):
+    """Decisions, values, retry_after, full_after and stored states, bit for bit."""
+    replay(backend, *case, note=event)  # statistics: pytest --hypothesis-show-statistics
+
+
+@st.composite
+def near_ties(draw):
+    """A refill that lands within a few micro-tokens of full, with products far past 2^53.
+
+    ``rate * elapsed - deficit * period`` is made exactly ``delta`` (through a modular
+    inverse), where a comparison of rounded doubles could not tell the sides apart.
+    """
+    period = draw(st.integers(2**40, 2**53))
+    rate = draw(st.integers(2**40, 2**53).filter(lambda r: math.gcd(r, period) == 1))
+    delta = draw(st.integers(-3, 3))
+    elapsed = (delta * pow(rate, -1, period)) % period or period
+    deficit = (rate * elapsed - delta) // period
+    assume(0 < deficit <= MAX_AMOUNT)
+    capacity = draw(st.integers(deficit, MAX_AMOUNT))
+    config = LimitConfig(name="tie", kind=TOKEN_BUCKET, rate=rate, period=period, capacity=capacity)
+    count = draw(st.integers(1, 3))
+    trace = [(0, [Request(config, ALICE, deficit)], True), (elapsed, [Request(config, ALICE, count)], True)]
+    return draw(st.integers(0, 2**52)), trace
+
+
+@PARITY
+@given(near_ties())
+def test_lua_and_python_agree_on_near_ties(backend, case):
+    replay(backend, *case)
+
+
+def _config(kind=TOKEN_BUCKET, **fields) -> LimitConfig:
+    return LimitConfig(name="x", kind=kind, **{"max_reserved": None, "start": None, **fields})
+
+
+ALICE = encode_key("alice")
+ONE_PER_SECOND = _config(rate=MICRO, period=MICRO, capacity=MICRO)
+
+
+@pytest.mark.parametrize(
+    "config, trace",
+    [
+        # A fresh bucket dated 0 refills for 1.7e15 µs: rate * elapsed is ~2^106.
+        (_config(rate=MAX_AMOUNT, period=1, capacity=MAX_AMOUNT), [(0, [(MAX_AMOUNT, False)])]),
+        # Partial refills whose product needs more than 53 bits but whose result does not.
+        (
+            _config(rate=MAX_AMOUNT - 1, period=2**53, capacity=MAX_AMOUNT),
+            [(0, [(MAX_AMOUNT, False)]), (2**40 + 1, [(3, False)]), (12345, [(MAX_AMOUNT, False)])],
+        ),
+        # Waits beyond 2^53 µs, and debts beyond 2^53 micro-tokens (uncapped reservations).
+        (
+            _config(rate=1, period=2**53, capacity=MAX_AMOUNT),
+            [(0, [(MAX_AMOUNT, True), (MAX_AMOUNT, True), (MAX_AMOUNT, True)]), (7, [(1, False)]), (0, [(1, True)])],
+        ),
+        (
+            _config(FIXED_WINDOW, rate=1, period=2**53, capacity=MAX_AMOUNT, start=5),
+            [
+                (0, [(MAX_AMOUNT, True)]),
+                (2**53, [(MAX_AMOUNT, True), (MAX_AMOUNT - 1, True)]),
+                (-(2**54), [(1, False)]),
+            ],
+        ),
+        # Clocks far in the past and backwards jumps larger than 2^53.
+        (
+            _config(FIXED_WINDOW, rate=3, period=7, capacity=10, start=-(2**53)),
+            [(0, [(4, False)]), (-(2**53) - 5, [(11, True)]), (2**54, [(10, False)])],
+        ),
+        # A product of exactly 2^53 + 1, which a double rounds to 2^53.
+        (
+            _config(rate=3, period=3, capacity=MAX_AMOUNT),
+            [(0, [(MAX_AMOUNT, False)]), ((2**53 + 1) // 3, [(1, False)])],
+        ),
+        # A window refill one micro-token short of (and then just past) a 2^54 deficit.
+        (
+            _config(FIXED_WINDOW, rate=3, period=1, capacity=MAX_AMOUNT, start=0),
+            [(0, [(MAX_AMOUNT, True), (MAX_AMOUNT, True)]), ((2**54 - 1) // 3, [(1, False)])],
+        ),
+        (
+            _config(FIXED_WINDOW, rate=3, period=1, capacity=MAX_AMOUNT, start=0),
+            [(0, [(MAX_AMOUNT, True), (MAX_AMOUNT, True)]), ((2**54 + 2) // 3, [(1, False)])],
+        ),
+    ],
+    ids=[
+        "fresh-huge-refill",
+        "wide-product",
+        "huge-waits-and-debts",
+        "window-huge-debt",
+        "far-clocks",
+        "product-2^53+1",
+        "window-one-short",
+        "window-just-past",
+    ],
+)
+def test_lua_and_python_agree_beyond_53_bits(backend, config, trace):
+    replay(backend, T0_US, [(dt, [Request(config, ALICE, c, r) for c, r in reqs], True) for dt, reqs in trace])
+
+
+# ---------------------------------------------------------------------------------------
+# Keys and TTLs
+# ---------------------------------------------------------------------------------------
+
+
+def test_keys_use_the_cache_key_function_and_hash_tag_the_key(backend):
+    config = parse_limit("ten_per_minute", BASE_SETTINGS["LIMITS"]["ten_per_minute"])
+    digest = encode_key("alice").digest
+    expected = f"{settings.REDIS_KEY_PREFIX}:1:tokenbucket:ten_per_minute:{{{digest[:16]}}}{digest[16:]}"
+    assert backend.key(config, encode_key("alice")) == expected
+    with override_settings(CACHES={**settings.CACHES, "redis": {**settings.CACHES["redis"], "VERSION": 7}}):
+        assert backend.key(config, encode_key("alice")) == expected.replace(":1:", ":7:", 1)
+    with frozen_clock(T0):
+        limiter.limit("ten_per_minute", "alice", count=3)
+    assert backend.client().get(expected) == f"7000000 {T0_US}".encode()
+
+
+@pytest.mark.parametrize("name", ["with space", "a{b}c", "x" * 65, "ümlaut", "colon:name", "~tilde"])
+def test_other_names_are_hashed_and_stay_distinct(name):
+    raw = state_key(replace(ONE_PER_SECOND, name=name), ALICE)
+    digest = hashlib.sha256(name.encode()).hexdigest()
+    assert raw == f"tokenbucket:~{digest}:{{{ALICE.digest[:16]}}}{ALICE.digest[16:]}"
+    # The one brace pair is the hash tag, whatever the name holds.
+    assert raw.count("{") == raw.count("}") == 1
+    tilde, plain = replace(ONE_PER_SECOND, name="~tilde"), replace(ONE_PER_SECOND, name="tilde")
+    assert state_key(tilde, ALICE) != state_key(plain, ALICE)
+
+
+def test_every_written_key_expires_when_its_bucket_is_full_again(backend):
+    """TTL == time until full (ceiling, in ms), measured on Redis' own clock."""
+    client = backend.client()
+    status = limiter.limit("ten_per_minute", "ttl", count=3)  # full again in 18 s
+    key = backend.key(limiter.resolve("ten_per_minute"), encode_key("ttl"))
+    assert status.reset_after == pytest.approx(18.0)
+    assert 17_000 < client.pttl(key) <= 18_000
+    window = limiter.limit("window", "ttl")  # 5 per minute, windows on the minute
+    window_key = backend.key(limiter.resolve("window"), encode_key("ttl"))
+    assert 0 < client.pttl(window_key) <= math.ceil(window.reset_after * 1000) <= 60_000
+    reserved = limiter.limit("reservable", "ttl", count=30, reserve=True)  # -20: full in 30 s
+    reserved_key = backend.key(limiter.resolve("reservable"), encode_key("ttl"))
+    assert reserved.reset_after == pytest.approx(30.0)
+    assert 29_000 < client.pttl(reserved_key) <= 30_000
+
+
+def test_a_denial_and_a_check_write_nothing(backend):
+    client = backend.client()
+    limiter.limit("ten_per_minute", "d", count=10)
+    key = backend.key(limiter.resolve("ten_per_minute"), encode_key("d"))
+    before, ttl_before = client.get(key), client.pttl(key)
+    assert not limiter.limit("ten_per_minute", "d").ok
+    assert not limiter.limit_many([("burst", "d"), ("ten_per_minute", "d")]).ok
+    assert client.get(key) == before and client.pttl(key) <= ttl_before
+    assert not client.exists(backend.key(limiter.resolve("burst"), encode_key("d")))
+    limiter.check("login", "never-written")
+    limiter.get_value("login", "never-written")
+    assert not client.exists(backend.key(limiter.resolve("login"), encode_key("never-written")))
+
+
+def test_a_small_ttl_is_at_least_one_millisecond(backend):
+    config = {"rate": 1000, "period": 0.001, "capacity": 1000}  # full again 1 µs later
+    limiter.limit("fast", "k", config=config, count=0.001)
+    key = backend.key(limiter.resolve("fast", config), encode_key("k"))
+    assert backend.client().pttl(key) in (0, 1) or not backend.client().exists(key)
+
+
+def test_time_comes_from_redis(backend):
+    seconds, micros = backend.client().time()
+    status = limiter.limit("login", "clock")
+    assert abs(status.timestamp - (seconds + micros / MICRO)) < 1.0
+
+
+def test_app_clock_setting_uses_this_hosts_time(backend):
+    with override_settings(TOKENBUCKET={**settings.TOKENBUCKET, "CLOCK": "app"}):
+        before = time.time()
+        status = limiter.limit("login", "app-clock")
+        assert before <= status.timestamp <= time.time()
+
+
+def test_no_key_is_left_without_a_ttl(backend):
+    """Every kind of write: fresh keys, reservations, windows, all-or-nothing, a rebase."""
+    with frozen_clock(T0) as clock:
+        for i in range(30):
+            limiter.limit("ten_per_minute", i % 7)
+            limiter.limit("window", i % 5, count=2)
+            limiter.limit("reservable", i % 3, count=7, reserve=True)
+            limiter.limit_many([("burst", i % 4), ("login", i % 4)])
+            clock.advance(0.7 if i % 2 else -3600)  # backwards: denials rebase and write
+    total, immortal = keys_without_ttl(backend.client(), our_keys(backend))
+    assert total >= 20 and immortal == 0
+
+
+# ---------------------------------------------------------------------------------------
+# NOSCRIPT: a flushed, restarted or failed-over server lost the script
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.redis_processes
+def test_script_flush_is_recovered_without_an_error():
+    # A private server: SCRIPT FLUSH empties the script cache of every user of a server.
+    with private_redis() as server, frozen_clock(T0):
+        backend = get_backend()
+        client = server.client()
+        assert limiter.limit("login", "ns").ok
+        client.script_flush()
+        reloads = backend.script_reloads
+        assert limiter.limit("login", "ns").value == 3
+        assert backend.script_reloads == reloads + 1  # one EVAL, and the script is cached again
+        assert client.script_exists(backend._script.sha) == [True]
+        assert limiter.limit("login", "ns").value == 2
+        assert backend.script_reloads == reloads + 1
+        client.close()
+
+
+@pytest.mark.redis_processes
+def test_a_client_that_decodes_responses_works_too():
+    with private_redis(CONNECTION_POOL_KWARGS={"decode_responses": True}), frozen_clock(T0):
+        assert isinstance(get_backend().client().get("missing") or "", str)
+        assert limiter.limit("login", "decoded", count=2).value == 3
+        assert limiter.limit_many([("login", "decoded", 3), ("burst", "decoded")]).ok
+        denied = limiter.limit("login", "decoded")
+        assert not denied.ok and denied.retry_after == pytest.approx(12.0)
+
+
+@contextmanager
+def private_redis(*args: str, fail_open: bool = False, **options):
+    """A redis-server of this test's own, as the cache alias ``private`` used by the limiter."""
+    with RedisServer(*args) as server:
+        cache = {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": server.url,
+            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 2, **options},
+        }
+        options = {"CACHE": "private"}
+        tokenbucket = {
+            **BASE_SETTINGS,
+            "BACKEND": REDIS_BACKEND,
+            "OPTIONS": options,
+            "FAIL_OPEN": fail_open,
+            "LOG_INTERVAL": 0,  # every failure logged, so the tests can count them
+        }
+        with override_settings(CACHES={**settings.CACHES, "private": cache}, TOKENBUCKET=tokenbucket):
+            yield server
+
+
+@pytest.mark.redis_processes
+def test_a_restarted_server_is_used_again_without_an_error():
+    with private_redis() as server, frozen_clock(T0):
+        assert limiter.limit("login", "r", count=2).value == 3
+        server.restart()  # no persistence: the state and the script cache are gone
+        assert limiter.limit("login", "r").value == 4
+        assert get_backend().script_reloads == 2  # the first use of each server loads it too
+
+
+# ---------------------------------------------------------------------------------------
+# Failures (RELIABILITY-PLAN F3-F6): the fail mode applies on both django-redis paths
+# ---------------------------------------------------------------------------------------
+
+ERROR_PATHS = pytest.mark.parametrize("ignore_exceptions", [False, True], ids=["raising", "IGNORE_EXCEPTIONS"])
+
+
+def warnings_of(caplog):
+    return [r for r in caplog.records if r.name == "django_tokenbucket" and r.levelno == logging.WARNING]
+
+
+@pytest.mark.redis_processes
+@ERROR_PATHS
+def test_redis_down_fails_closed_by_default(ignore_exceptions, caplog):
+    with private_redis(IGNORE_EXCEPTIONS=ignore_exceptions) as server:
+        assert limiter.limit("login", "down").ok
+        server.stop()
+        with caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
+            with pytest.raises(BackendUnavailable, match="login"):
+                limiter.limit("login", "down")
+        [record] = warnings_of(caplog)
+        assert "fail closed" in record.getMessage() and "ConnectionError" in record.getMessage()
+        with pytest.raises(BackendUnavailable):
+            limiter.reset("login", "down")
+        if ignore_exceptions:
+            # The cache API hides the failure (returns the default); the limiter does not.
+            assert caches["private"].get("anything", "hidden") == "hidden"
+        server.start()
+        assert limiter.limit("login", "down").ok  # recovered: the pool reconnects
+
+
+@pytest.mark.redis_processes
+@ERROR_PATHS
+def test_redis_down_fails_open_when_configured(ignore_exceptions, caplog):
+    with private_redis(IGNORE_EXCEPTIONS=ignore_exceptions, fail_open=True) as server:
+        server.stop()
+        with caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
+            statuses = [limiter.limit("login", "open") for _ in range(8)]
+        assert all(s.ok and s.failed_open for s in statuses)
+        assert len(warnings_of(caplog)) == 8 and "FAIL_OPEN" in warnings_of(caplog)[0].getMessage()
+        assert get_backend().errors["ConnectionError"] == 8
+        with pytest.raises(BackendUnavailable):  # reading has nothing to allow
+            limiter.get_value("login", "open")
+
+
+@pytest.mark.redis_processes
+def test_nothing_listening_is_a_backend_failure():
+    server = RedisServer()  # a free port, never started: connections are refused
+    cache = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": server.url}
+    tokenbucket = {**BASE_SETTINGS, "BACKEND": REDIS_BACKEND, "OPTIONS": {"CACHE": "refused"}}
+    with override_settings(CACHES={**settings.CACHES, "refused": cache}, TOKENBUCKET=tokenbucket):
+        with pytest.raises(BackendUnavailable, match=r"Connection refused|Error 111"):
+            limiter.limit("login", "k")
+    server.close()
+
+
+@pytest.mark.redis_processes
+@ERROR_PATHS
+def test_a_server_refusing_commands_is_a_backend_failure(ignore_exceptions):
+    """A password the client lacks (NOAUTH): Redis answers, with an error."""
+    with private_redis("--requirepass", "secret", IGNORE_EXCEPTIONS=ignore_exceptions):
+        with pytest.raises(BackendUnavailable, match=r"Authentication|NOAUTH"):
+            limiter.limit("login", "k")
+    with private_redis("--requirepass", "secret", IGNORE_EXCEPTIONS=ignore_exceptions, fail_open=True):
+        assert limiter.limit("login", "k").failed_open
+
+
+@pytest.mark.redis_processes
+@ERROR_PATHS
+def test_a_slow_server_times_out_into_the_fail_mode(ignore_exceptions):
+    """F4: the server stops answering; SOCKET_TIMEOUT=0.05 bounds every decision."""
+    with private_redis(SOCKET_TIMEOUT=0.05, IGNORE_EXCEPTIONS=ignore_exceptions, fail_open=True) as server:
+        assert limiter.limit("login", "slow").ok
+        server.pause()
+        latencies = []
+        for _ in range(20):
+            started = time.perf_counter()
+            status = limiter.limit("login", "slow")
+            latencies.append(time.perf_counter() - started)
+            assert status.ok and status.failed_open
+        assert get_backend().errors["TimeoutError"] == 20
+        server.resume()
+        assert limiter.limit("login", "slow").ok and not limiter.limit("login", "slow").failed_open
+    latencies.sort()
+    print(f"\nF4 slow Redis: socket_timeout=50 ms, decision p50={latencies[10] * 1000:.1f} ms, max={latencies[-1] * 1000:.1f} ms")
+    # The paused server never answers, so each call returned only because its socket timed
+    # out (the TimeoutError count above). The bound is loose on purpose: it tells a bounded
+    # wait from a hung one and stays clear of scheduling noise on a busy CI machine.
+    assert latencies[-1] < 2.0
+
+
+@pytest.mark.redis_processes
+def test_out_of_memory_under_noeviction_is_a_backend_failure_not_a_reset():
+    with private_redis("--maxmemory-policy", "noeviction") as server:
+        with frozen_clock(T0):
+            limiter.limit("login", "oom", count=5)
+            client = server.client()
+            # A maxmemory below what the server already uses makes every write fail for
+            # certain; filling up to a limit instead races the allocator's own bookkeeping
+            # (freed client buffers bring usage back under the limit now and then).
+            client.config_set("maxmemory", "1")
+            with pytest.raises(redis.exceptions.OutOfMemoryError):
+                client.set("filler", "x")
+            # A call that must write fails (Redis checks memory at the script's first write,
+            # so no script writes part of its keys); reads and denials still work.
+            with pytest.raises(BackendUnavailable, match="OutOfMemoryError"):
+                limiter.limit("login", "oom-fresh")
+            assert not limiter.limit("login", "oom").ok
+            assert limiter.get_value("login", "oom") == 0  # the state survived
+            client.close()
+
+
+@pytest.mark.redis_processes
+def test_eviction_policy_silently_resets_buckets():
+    """F6: with an evicting policy, a bucket's key is just another victim. Hence the W021 check."""
+    with private_redis("--maxmemory", "5mb", "--maxmemory-policy", "volatile-lru") as server:
+        with frozen_clock(T0):
+            for key in range(20):
+                limiter.limit("login", key, count=5)
+            client = server.client()
+            pipe = client.pipeline(transaction=False)
+            for i in range(200_000):
+                pipe.set(f"filler:{i}", "x" * 32, ex=3600)
+                if i % 5000 == 4999:
+                    pipe.execute()
+            pipe.execute()
+            resets = sum(limiter.get_value("login", key) == 5 for key in range(20))
+            client.close()
+            messages = [m for m in run_checks(tags=["caches"]) if m.id == "django_tokenbucket.W021"]
+    print(f"\nF6 eviction (volatile-lru, 5 MB, 200k filler keys): {resets} of 20 exhausted buckets reset to full")
+    assert resets > 0
+    assert messages and "volatile-lru" in messages[0].msg
+
+
+# ---------------------------------------------------------------------------------------
+# System checks
+# ---------------------------------------------------------------------------------------
+
+
+def redis_messages(**tokenbucket):
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, "BACKEND": REDIS_BACKEND, **tokenbucket}):
+        return sorted(
+            (m.id, m.msg) for m in run_checks(tags=["caches"]) if (m.id or "").startswith("django_tokenbucket.")
+        )
+
+
+def test_check_passes_for_a_django_redis_cache(redis_store):
+    policy = caches["redis"].client.get_client().config_get("maxmemory-policy")["maxmemory-policy"]
+    expected = [] if policy == "noeviction" else ["django_tokenbucket.W021"]  # a developer's own Redis
+    assert [check_id for check_id, _ in redis_messages(OPTIONS={"CACHE": "redis"})] == expected
+
+
+def test_check_warns_when_the_cache_is_not_django_redis():
+    [(check_id, message)] = redis_messages(OPTIONS={})  # "default" is a LocMemCache here
+    assert check_id == "django_tokenbucket.W020" and "'default'" in message and "django-redis" in message
+
+
+def test_check_reports_a_missing_or_bad_cache_alias():
+    [(check_id, message)] = redis_messages(OPTIONS={"CACHE": "nope"})
+    assert check_id == "django_tokenbucket.E020" and "'nope'" in message
+    [(check_id, _)] = redis_messages(OPTIONS={"CACHE": 3})
+    assert check_id == "django_tokenbucket.E020"
+    [(check_id, message)] = redis_messages(OPTIONS={"CACHE": "redis", "DATABASE": "default"})
+    assert check_id == "django_tokenbucket.E021" and "'DATABASE'" in message
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, "BACKEND": REDIS_BACKEND, "OPTIONS": {"CACHE": "nope"}}):
+        with pytest.raises(ImproperlyConfigured, match="nope"):
+            limiter.limit("login", "k")
+
+
+@pytest.mark.redis_processes
+@pytest.mark.parametrize(
+    "args, warned",
+    [
+        (("--maxmemory-policy", "allkeys-lru"), True),
+        (("--maxmemory-policy", "noeviction"), False),
+        # CONFIG denied (renamed away, as managed services do): nothing to say.
+        (("--maxmemory-policy", "allkeys-lru", "--rename-command", "CONFIG", ""), False),
+    ],
+    ids=["evicting", "noeviction", "config-denied"],
+)
+def test_check_warns_about_an_evicting_policy(args, warned):
+    with private_redis(*args) as server:
+        messages = redis_messages(OPTIONS={"CACHE": "private"})
+        server.stop()
+        assert redis_messages(OPTIONS={"CACHE": "private"}) == []  # down: silent, never a crash
+    if warned:
+        [(check_id, message)] = messages
+        assert check_id == "django_tokenbucket.W021" and "allkeys-lru" in message
+    else:
+        assert messages == []
+
+
+# ---------------------------------------------------------------------------------------
+# Several OS processes on one hot key (RELIABILITY-PLAN H1, H2, H5 on RD)
+# ---------------------------------------------------------------------------------------
+
+PROCESSES = 8
+
+
+def record_keys(figures, backend: RedisBackend):
+    total, immortal = keys_without_ttl(backend.client(), our_keys(backend))
+    figures.update(keys=total, keys_without_ttl=immortal)
+    assert immortal == 0
+
+
+@pytest.mark.concurrency
+class TestHotKey:
+    def test_h1_exact_with_a_frozen_clock(self, backend):
+        config = {"rate": 100, "period": 3600}
+        call = partial(limiter.limit, "h1", "hot", config=config)
+        with frozen_clock(T0):
+            results = run_processes(hammer, PROCESSES, call, 50, None)
+            assert limiter.get_value("h1", "hot", config=config) == 0
+        figures = summarise(results, case="H1", backend="redis", C=100)
+        record_keys(figures, backend)
+        assert figures["surfaced_errors"] == 0, figures["error_samples"]
+        assert figures["attempts"] == PROCESSES * 50 and figures["admitted"] == 100
+
+    def test_h2_bound_with_the_redis_clock(self, backend):
+        """admitted <= C + r·Δ, Δ on Redis' clock (first to last decision), and >= 90 % of it."""
+        capacity, rate = 20, 10
+        config = {"rate": rate, "period": 1, "capacity": capacity}
+        call = partial(limiter.limit, "h2", "hot", config=config)
+        results = run_processes(hammer, PROCESSES, call, None, 3.0)
+        figures = summarise(results, case="H2", backend="redis", C=capacity, r=rate, M_s=3.0)
+        bound = capacity + rate * figures["store_clock_span_s"]
+        figures.update(bound=round(bound, 3), excess=round(figures["admitted"] - bound, 3))
+        figures["utilisation"] = round(figures["admitted"] / bound, 4)
+        record_keys(figures, backend)
+        assert figures["surfaced_errors"] == 0, figures["error_samples"]
+        assert figures["admitted"] <= bound + 1e-6
+        assert figures["admitted"] >= 0.9 * bound, figures
+
+    def test_h5_all_or_nothing_under_contention(self, backend):
+        loose = {"rate": 1000, "period": 3600}
+        tight = {"rate": 10, "period": 3600}
+        requests = [LimitRequest("h5-loose", "k", config=loose), LimitRequest("h5-tight", "k", config=tight)]
+        with frozen_clock(T0):
+            results = run_processes(hammer, 6, partial(limiter.limit_many, requests), 30, None)
+            figures = summarise(results, case="H5", backend="redis")
+            assert figures["surfaced_errors"] == 0, figures["error_samples"]
+            assert figures["admitted"] == 10
+            assert limiter.get_value("h5-loose", "k", config=loose) == 990
+            assert limiter.get_value("h5-tight", "k", config=tight) == 0
+
+
+def test_the_script_is_package_data():
+    assert "decide_all" in SCRIPT and "redis.call" in SCRIPT
+    assert MAX_TTL_MS == 2**53

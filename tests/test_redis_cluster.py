@@ -1,0 +1,188 @@
+"""The Redis backend on a real Redis Cluster: 3 masters with a replica each, on loopback ports.
+
+The cluster is started for the session from redis-server processes (tests/redis_servers.py)
+and torn down at the end. The whole conformance suite runs on it unchanged (imported
+below, with a ``backend`` fixture that points the limiter at the cluster), then what is
+particular to a cluster: hash tags and slots, NOSCRIPT on nodes that never saw the
+script, a failover, and exactness with several processes.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import pytest
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
+from redis.cluster import RedisCluster
+
+from django_tokenbucket import LimitRequest, limiter
+from django_tokenbucket.backends import get_backend
+from django_tokenbucket.backends.redis import RedisBackend
+from django_tokenbucket.keys import encode_key
+from django_tokenbucket.testing import frozen_clock
+
+from .concurrency import hammer, run_processes, summarise
+from .redis_servers import LocalCluster, keys_without_ttl
+from .settings import TOKENBUCKET as BASE_SETTINGS
+from .test_conformance import *  # noqa: F403  (the conformance suite, run here on the cluster)
+
+pytestmark = pytest.mark.redis_processes
+
+T0 = 1_700_000_000.0
+FACTORY = "django_tokenbucket.backends.redis.ClusterConnectionFactory"
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    local = LocalCluster(masters=3, replicas=1).start()
+    yield local
+    local.close()
+
+
+@pytest.fixture
+def backend(cluster):
+    """The limiter on the cluster (this overrides the conformance suite's fixture of the same name)."""
+    cache = {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": cluster.url,
+        "KEY_PREFIX": settings.REDIS_KEY_PREFIX,
+        "OPTIONS": {"CONNECTION_FACTORY": FACTORY, "SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 10},
+    }
+    tokenbucket = {**BASE_SETTINGS, "BACKEND": "django_tokenbucket.backends.redis.RedisBackend"}
+    tokenbucket["OPTIONS"] = {"CACHE": "cluster"}
+    with override_settings(CACHES={**settings.CACHES, "cluster": cache}, TOKENBUCKET=tokenbucket):
+        client = get_backend().client()
+        assert isinstance(client, RedisCluster)
+        client.flushall(target_nodes=RedisCluster.PRIMARIES)
+        yield "redis-cluster"
+
+
+@pytest.fixture
+def redis_backend(backend) -> RedisBackend:
+    return get_backend()
+
+
+def masters(cluster: LocalCluster):
+    return [server for server in cluster.servers if server.client().info("replication")["role"] == "master"]
+
+
+def test_the_limits_of_one_key_share_a_slot_and_keys_spread_over_the_nodes(cluster, redis_backend):
+    client = redis_backend.client()
+    names = ["ten_per_minute", "burst", "window", "login"]
+    for user in range(60):
+        slots = {client.keyslot(redis_backend.key(limiter.resolve(n), encode_key(user))) for n in names}
+        assert len(slots) == 1
+        with frozen_clock(T0):
+            assert limiter.limit_many([(name, user) for name in names]).ok
+    per_node = [server.client().dbsize() for server in masters(cluster)]
+    assert len(per_node) == 3 and all(n > 0 for n in per_node) and sum(per_node) == 240
+
+
+def test_limits_of_different_keys_cannot_be_decided_together(redis_backend):
+    with pytest.raises(ImproperlyConfigured, match="share one key"):
+        limiter.limit_many([("login", "user-1"), ("burst", None)])
+    # One at a time they work, and on a single key together too.
+    assert limiter.limit("login", "user-1").ok and limiter.limit("burst", None).ok
+
+
+def test_nodes_that_never_saw_the_script_load_it_once(cluster, redis_backend):
+    client = redis_backend.client()
+    client.script_flush()  # on every master
+    reloads = redis_backend.script_reloads
+    with frozen_clock(T0):
+        for user in range(60):  # keys on every master
+            assert limiter.limit("login", user).ok
+        assert redis_backend.script_reloads == reloads + 3  # once per master
+        for user in range(60):
+            assert limiter.limit("login", user).value == 3
+    assert redis_backend.script_reloads == reloads + 3
+
+
+def test_no_key_is_left_without_a_ttl(cluster, redis_backend):
+    with frozen_clock(T0) as clock:
+        for i in range(40):
+            limiter.limit("ten_per_minute", i)
+            limiter.limit("window", i % 9, count=2)
+            limiter.limit("reservable", i % 5, count=7, reserve=True)
+            clock.advance(1 if i % 3 else -600)
+    counts = [keys_without_ttl(server.client(), f"{settings.REDIS_KEY_PREFIX}:*") for server in masters(cluster)]
+    assert sum(total for total, _ in counts) >= 40
+    assert sum(immortal for _, immortal in counts) == 0
+
+
+PROCESSES = 6
+
+
+@pytest.mark.concurrency
+def test_h1_exact_on_the_cluster(cluster, redis_backend):
+    config = {"rate": 100, "period": 3600}
+    call = partial(limiter.limit, "h1", "hot", config=config)
+    with frozen_clock(T0):
+        results = run_processes(hammer, PROCESSES, call, 50, None)
+        assert limiter.get_value("h1", "hot", config=config) == 0
+    figures = summarise(results, case="H1", backend="redis-cluster (3 masters + 3 replicas)", C=100)
+    assert figures["surfaced_errors"] == 0, figures["error_samples"]
+    assert figures["admitted"] == 100
+
+
+@pytest.mark.concurrency
+def test_h2_bound_on_the_cluster(cluster, redis_backend):
+    capacity, rate = 20, 10
+    config = {"rate": rate, "period": 1, "capacity": capacity}
+    call = partial(limiter.limit, "h2", "hot", config=config)
+    results = run_processes(hammer, PROCESSES, call, None, 3.0)
+    figures = summarise(results, case="H2", backend="redis-cluster (3 masters + 3 replicas)", C=capacity, r=rate)
+    bound = capacity + rate * figures["store_clock_span_s"]
+    figures.update(bound=round(bound, 3), excess=round(figures["admitted"] - bound, 3))
+    figures["utilisation"] = round(figures["admitted"] / bound, 4)
+    counts = [keys_without_ttl(server.client(), f"{settings.REDIS_KEY_PREFIX}:*") for server in masters(cluster)]
+    figures.update(keys=sum(c[0] for c in counts), keys_without_ttl=sum(c[1] for c in counts))
+    assert figures["surfaced_errors"] == 0, figures["error_samples"]
+    assert figures["admitted"] <= bound + 1e-6
+    assert figures["admitted"] >= 0.9 * bound, figures
+    assert figures["keys_without_ttl"] == 0
+
+
+@pytest.mark.concurrency
+def test_h5_all_or_nothing_on_the_cluster(cluster, redis_backend):
+    loose = {"rate": 1000, "period": 3600}
+    tight = {"rate": 10, "period": 3600}
+    requests = [LimitRequest("h5-loose", "k", config=loose), LimitRequest("h5-tight", "k", config=tight)]
+    with frozen_clock(T0):
+        results = run_processes(hammer, PROCESSES, partial(limiter.limit_many, requests), 30, None)
+        figures = summarise(results, case="H5", backend="redis-cluster (3 masters + 3 replicas)")
+        assert figures["surfaced_errors"] == 0, figures["error_samples"]
+        assert figures["admitted"] == 10
+        assert limiter.get_value("h5-loose", "k", config=loose) == 990
+
+
+def test_a_failover_keeps_the_state_and_surfaces_no_error(cluster, redis_backend):
+    """A replica takes over the slot (CLUSTER FAILOVER): MOVED and NOSCRIPT are both handled."""
+    client = redis_backend.client()
+    config = limiter.resolve("login")
+    key = redis_backend.key(config, encode_key("failover"))
+    slot = client.keyslot(key)
+    with frozen_clock(T0):
+        assert limiter.limit("login", "failover", count=2).value == 3
+        old_master = cluster.node_for_slot(slot)
+        replica = cluster.node_for_slot(slot, role="replica")
+        replica_client = replica.client()
+        deadline = time.monotonic() + 10
+        while replica_client.info("replication")["master_repl_offset"] < old_master.client().info("replication")[
+            "master_repl_offset"
+        ]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        replica_client.execute_command("CLUSTER FAILOVER")
+        while replica_client.info("replication")["role"] != "master":
+            assert time.monotonic() < deadline, "the failover did not happen"
+            time.sleep(0.05)
+        cluster.wait_until_ok()
+        reloads = redis_backend.script_reloads
+        assert limiter.limit("login", "failover").value == 2  # the replicated state, decided on the new master
+        assert cluster.node_for_slot(slot, via=replica).port == replica.port
+        assert redis_backend.script_reloads == reloads + 1  # the new master had never run the script
+        replica_client.close()

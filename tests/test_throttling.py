@@ -1,0 +1,138 @@
+"""The DRF throttles through DRF's APIClient, against the real database."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.test import override_settings
+from rest_framework.test import APIClient
+
+from django_tokenbucket import limiter
+from django_tokenbucket.testing import frozen_clock
+
+from .settings import REST_FRAMEWORK
+from .settings import TOKENBUCKET as BASE_SETTINGS
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "unreachable"])
+
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture(autouse=True)
+def clock():
+    with frozen_clock(T0) as frozen:
+        yield frozen
+
+
+@pytest.fixture
+def api():
+    return APIClient()
+
+
+@pytest.fixture
+def alice():
+    return get_user_model().objects.create_user("alice", password="x")
+
+
+def codes(api, path, n, **extra):
+    return [api.get(path, **extra).status_code for _ in range(n)]
+
+
+def test_anonymous_drop_in_with_exact_wait(api, clock):
+    assert codes(api, "/api/default/", 3) == [200, 200, 200]
+    clock.advance(5)
+    response = api.get("/api/default/")
+    assert response.status_code == 429
+    assert response["Retry-After"] == "15"  # anon is 3/m: one token per 20 s
+    assert response["Cache-Control"] == "no-store"  # added by RateLimitMiddleware
+    assert "15 seconds" in response.json()["detail"]
+
+
+def test_user_throttle_is_per_user(api, alice):
+    api.force_authenticate(alice)
+    assert codes(api, "/api/default/", 6) == [200] * 5 + [429]
+    api.force_authenticate(None)
+    assert api.get("/api/default/").status_code == 200  # anonymous: a bucket of its own
+
+
+def test_a_denial_by_one_throttle_spends_no_token_of_another(api, alice):
+    """UserRateThrottle (5/m) and ScopedRateThrottle 'scarce' (1/m) on one view."""
+    api.force_authenticate(alice)
+    assert codes(api, "/api/two/", 4) == [200, 429, 429, 429]
+    key = ("user", alice.pk)
+    assert limiter.get_value("user", key, config={"rate": "5/m"}) == 4  # only the admitted request
+    assert limiter.get_value("scarce", key, config={"rate": "1/m"}) == 0
+
+
+def test_several_scopes_on_one_view_are_all_or_nothing(api, clock):
+    """api_burst 3/m and api_sustained 5/h: the burst runs out first, then the hour."""
+    assert codes(api, "/api/burst/", 4) == [200, 200, 200, 429]
+    clock.advance(60)
+    assert codes(api, "/api/burst/", 3) == [200, 200, 429]
+    key = ("ip", "127.0.0.1")
+    assert limiter.get_value("api_sustained", key, config={"rate": "5/h"}) == pytest.approx(0, abs=0.1)
+    clock.advance(60)
+    response = api.get("/api/burst/")
+    assert response.status_code == 429
+    # The binding limit is the hourly one: a token every 12 minutes.
+    assert response["Retry-After"] == "600"  # 5/6 of a token short at one per 720 s
+
+
+def test_rates_are_read_at_request_time(api):
+    rates = {**REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"], "anon": "1/m"}
+    with override_settings(REST_FRAMEWORK={**REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": rates}):
+        assert codes(api, "/api/default/", 2) == [200, 429]
+
+
+def test_a_limits_entry_for_the_scope_adds_capacity(api):
+    limits = {**BASE_SETTINGS["LIMITS"], "anon": {"rate": "3/m", "capacity": 6}}
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, "LIMITS": limits}):
+        assert codes(api, "/api/function/", 7) == [200] * 6 + [429]
+
+
+def test_none_rate_switches_a_scope_off(api):
+    rates = {**REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"], "anon": None}
+    with override_settings(REST_FRAMEWORK={**REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": rates}):
+        assert codes(api, "/api/default/", 5) == [200] * 5
+
+
+def test_custom_throttle_with_cost(api):
+    assert codes(api, "/api/costly/", 4, HTTP_X_TENANT="acme") == [200, 200, 200, 429]
+    assert api.get("/api/costly/", HTTP_X_TENANT="other").status_code == 200
+    assert api.get("/api/costly/").status_code == 200  # no tenant: not throttled
+
+
+def test_throttle_classes_decorator_on_function_views(api):
+    assert codes(api, "/api/function/", 4) == [200, 200, 200, 429]
+
+
+def test_action_throttle_classes(api, alice):
+    api.force_authenticate(alice)
+    assert codes(api, "/api/things/special/", 6) == [200] * 5 + [429]
+    assert codes(api, "/api/things/", 8) == [200] * 8
+
+
+def test_spoofed_forwarded_for_is_ignored_by_default(api):
+    """S1: a client rotating X-Forwarded-For still has one bucket."""
+    results = [api.get("/api/default/", HTTP_X_FORWARDED_FOR=f"6.6.6.{i}").status_code for i in range(10)]
+    assert results == [200] * 3 + [429] * 7
+
+
+def test_drf_num_proxies_is_honoured(api):
+    with override_settings(REST_FRAMEWORK={**REST_FRAMEWORK, "NUM_PROXIES": 1}):
+        for client in ("1.1.1.1", "2.2.2.2"):
+            assert codes(api, "/api/default/", 4, HTTP_X_FORWARDED_FOR=f"6.6.6.6, {client}") == [200] * 3 + [429]
+
+
+def test_store_failure_is_503(api):
+    failing = {**BASE_SETTINGS, "OPTIONS": {"DATABASE": "unreachable"}, "RETRY_ATTEMPTS": 1}
+    with override_settings(TOKENBUCKET=failing):
+        assert api.get("/api/default/").status_code == 503
+
+
+def test_ratelimit_headers_through_the_middleware(api):
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, "HEADERS": True}):
+        response = api.get("/api/default/")
+    # Anonymous requests meet both default throttles, as with DRF's own classes.
+    assert response["RateLimit-Policy"] == '"anon";q=3;w=60, "user";q=5;w=60'
+    assert response["RateLimit"] == '"anon";r=2;t=20, "user";r=4;t=12'

@@ -1,0 +1,30 @@
+from django.contrib import admin
+from django.urls import include, path
+from rest_framework.routers import SimpleRouter
+
+from . import views
+
+router = SimpleRouter()
+router.register("things", views.Things, basename="things")
+
+urlpatterns = [
+    path("inline-ip/", views.inline_ip),
+    path("login/", views.login),
+    path("soft/", views.soft),
+    path("dotted/", views.by_dotted_path),
+    path("exemptable/", views.exemptable),
+    path("weighted/", views.weighted),
+    path("async/", views.async_view),
+    path("shadowed/", views.shadowed),
+    path("raises/", views.raises),
+    path("class/", views.ClassView.as_view()),
+    path("method/", views.MethodDecorated.as_view()),
+    path("probe/", views.unavailable_probe),
+    path("api/default/", views.DefaultThrottled.as_view()),
+    path("api/two/", views.TwoThrottles.as_view()),
+    path("api/burst/", views.BurstSustained.as_view()),
+    path("api/costly/", views.Costly.as_view()),
+    path("api/function/", views.function_api),
+    path("api/", include(router.urls)),
+    path("admin/", admin.site.urls),
+]
