@@ -169,10 +169,14 @@ def fixed_window(
         state = fresh_fixed_window(capacity, period, offset)
     clock_went_back = now < state.ts
     # Python's modulo is never negative, so this is the start, at or before ``now``, of
-    # the window on the stored phase: a backwards clock neither mints nor locks out.
-    since = now - (now - state.ts) % period if clock_went_back else state.ts
-    windows = (now - since) // period
-    window_start = since + windows * period
+    # the configured window holding ``now``.
+    window_start = now - (now - offset) % period
+    # Every window start after the stored one credits ``rate``. Counting window starts
+    # rather than whole periods since ``state.ts`` puts a state stored under another
+    # ``period`` or ``start`` on the configured windows from its next call. A clock that
+    # went back finds none (``window_start <= now < state.ts``): it mints nothing, and the
+    # state is rebased onto ``window_start`` so nobody waits for the clock to catch up.
+    windows = max(0, _ceil_div(window_start - state.ts, period))
     value = min(capacity, state.value + windows * rate)
 
     def time_to_reach(target: int, from_value: int) -> int:
@@ -195,7 +199,7 @@ def fixed_window(
         value=value,
         retry_after=time_to_reach(count + lowest, value),
         full_after=time_to_reach(capacity, value),
-        state=State(min(state.value, capacity), since) if clock_went_back else None,
+        state=State(min(state.value, capacity), window_start) if clock_went_back else None,
     )
 
 

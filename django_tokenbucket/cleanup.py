@@ -56,7 +56,7 @@ class CleanupReport:
 
     #: Rows deleted, by limit name (idle rows; unknown names only with remove_unknown).
     deleted: Counter[str] = field(default_factory=Counter)
-    #: Candidates confirmed not idle (in debt, or a fixed window off its phase): kept.
+    #: Candidates confirmed not idle (not full again yet, such as rows in debt): kept.
     kept: int = 0
     #: Rows under names that are not configured, by name (before any removal).
     unknown: dict[str, int] = field(default_factory=dict)

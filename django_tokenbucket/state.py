@@ -107,8 +107,8 @@ def is_idle(limit: LimitConfig, state: State, key_digest: str, now: int) -> bool
     """Return whether the row may be deleted: from ``now`` on, it decides like a fresh key.
 
     A token bucket qualifies once it is full (a full bucket and a fresh one are the
-    same state); a fixed window once it is full *and* its windows start where a fresh
-    key's would (they differ after a change of ``period`` or ``start``).
+    same state); a fixed window once it is full, which puts it on the configured
+    windows too (a row stored under another ``period`` or ``start`` moves onto them).
     """
     probe = limit.decide(state, now, 0, key_digest, reserve=True)
     fresh = limit.decide(None, now, 0, key_digest, reserve=True)
@@ -174,6 +174,12 @@ def at_least_q(limit: LimitConfig, threshold: int, now: int) -> Q:
     ``threshold`` must not exceed the capacity. Mirrors the algorithms: a token bucket
     gains ``floor(rate * elapsed / period)``; a fixed window ``rate`` per whole window
     elapsed; a clock that went backwards gains nothing. Exact on every database.
+
+    A fixed-window row stored under another ``period`` or ``start`` (before the config
+    changed) is read on its stored phase: a window start of the new phase may already
+    have credited it, so such a row can be counted one window short until its next
+    decision or cleanup realigns it. The phase of a key comes from a hash SQL cannot
+    compute; the values shown per row (``live_state``) are always exact.
     """
     elapsed = Value(now) - F("ts")
     if limit.kind == FIXED_WINDOW:

@@ -379,6 +379,10 @@ def test_state_filter_agrees_with_the_value_derived_now(data):
         )
         ts = now - elapsed
         digest = encode_key(f"k{i}").digest
+        if limit.kind == FIXED_WINDOW:
+            # Rows written under the current config start on the key's window phase (see
+            # at_least_q for rows left over from another period or start).
+            ts -= (ts - limit.window_offset(digest)) % limit.period
         row = RateLimit.objects.create(name=limit.name, key=digest, label=f"k{i}", value=value, ts=ts)
         expected[row.pk] = live_state(limit, State(value, ts), digest, now).state
         event(f"{limit.kind}: {expected[row.pk]}")

@@ -357,6 +357,23 @@ FIXED_WINDOW_CASES = [
         Decision(True, 2 * M, None, 20 * M, State(2 * M, W - 10 * M))),
     ("clock-back-b11", State(8 * M, W), W - 1, 0, {"capacity": 3 * M},
         Decision(True, 3 * M, None, 0, State(3 * M, W - 10 * M))),
+    # -- a state stored under another start or period moves onto the configured windows ---
+    # start moved from 3 s to 7 s: the window starting at W + 4 s credits 5 tokens and
+    # becomes the stored one; before it, the stored window is still the current one.
+    ("moved-start-before-boundary", State(0, W), W + 4 * M - 1, 1, {"offset": 7 * M},
+        Decision(False, 0, 1, 10 * M + 1, None)),
+    ("moved-start-at-boundary", State(0, W), W + 4 * M, 5 * M, {"offset": 7 * M},
+        Decision(True, 0, None, 20 * M, State(0, W + 4 * M))),
+    # start moved back from 3 s to 1 s: the stored window (from W) began after the
+    # configured one holding now (from W - 2 s); the next start, W + 8 s, credits.
+    ("moved-start-earlier", State(0, W), W + 5 * M, M, {"offset": M},
+        Decision(False, 0, 3 * M, 13 * M, None)),
+    ("moved-start-earlier-next", State(0, W), W + 8 * M, M, {"offset": M},
+        Decision(True, 4 * M, None, 10 * M, State(4 * M, W + 8 * M))),
+    # period 10 s -> 60 s, windows now 3 s past each minute (W is 23 s past one): nothing
+    # is credited until the next of those, W + 40 s, rather than every 10 s from W.
+    ("longer-period", State(0, W), W + 15 * M, 1, {"period": 60 * M},
+        Decision(False, 0, 25 * M, 85 * M, None)),
 ]
 
 

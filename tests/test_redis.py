@@ -275,6 +275,22 @@ def test_lua_and_python_agree_beyond_53_bits(backend, config, trace):
     replay(backend, T0_US, [(dt, [Request(config, ALICE, c, r) for c, r in reqs], True) for dt, reqs in trace])
 
 
+def test_lua_and_python_agree_when_a_window_moves(backend):
+    """A window stored under one start and period, decided under others, realigns alike."""
+    before = _config(FIXED_WINDOW, rate=5 * MICRO, period=10 * MICRO, capacity=8 * MICRO, start=3 * MICRO)
+    moved = replace(before, start=7 * MICRO)
+    longer = replace(before, period=60 * MICRO, start=None)
+    trace = [
+        (0, [Request(before, ALICE, 8 * MICRO)], True),
+        (4 * MICRO, [Request(moved, ALICE, 1)], True),  # denied: before the moved start
+        (1, [Request(moved, ALICE, 5 * MICRO)], True),
+        (MICRO, [Request(longer, ALICE, MICRO, True)], True),
+        (-30 * MICRO, [Request(before, ALICE, 10 * MICRO)], True),  # and a clock gone back
+        (95 * MICRO, [Request(longer, ALICE, 0)], False),
+    ]
+    replay(backend, T0_US, trace)
+
+
 # ---------------------------------------------------------------------------------------
 # Keys and TTLs
 # ---------------------------------------------------------------------------------------

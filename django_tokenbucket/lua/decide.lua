@@ -307,13 +307,11 @@ end
 
 local function fixed_window(value, ts, now, count, lowest, L)
   local back = cmp(now, ts) < 0
-  local since = ts
-  if back then
-    local _, phase = divmod(sub(now, ts), L.period)
-    since = sub(now, phase)
-  end
-  local windows, into = divmod(sub(now, since), L.period)
-  local window_start = sub(now, into) -- since + windows * period, without the product
+  local _, into = divmod(sub(now, L.phase), L.period)
+  local window_start = sub(now, into)
+  -- Window starts after the stored one: ceil((window_start - ts) / period), at least 0.
+  local windows = 0
+  if cmp(window_start, ts) > 0 then windows = ceildiv(sub(window_start, ts), L.period) end
   local capacity = L.capacity
   local v
   local missing = sub(capacity, value)
@@ -339,7 +337,7 @@ local function fixed_window(value, ts, now, count, lowest, L)
   if back then
     local kept = value
     if cmp(kept, capacity) > 0 then kept = capacity end
-    return { false, v, retry, full, kept, since }
+    return { false, v, retry, full, kept, window_start }
   end
   return { false, v, retry, full }
 end
@@ -376,7 +374,11 @@ for i = 1, n do
   requests[i] = {
     key = tonumber(ARGV[o + 1]),
     algorithm = ARGV[o + 2] == "f" and fixed_window or token_bucket,
-    limit = { rate = parse(ARGV[o + 3]), period = parse(ARGV[o + 4]), capacity = parse(ARGV[o + 5]) },
+    -- A fresh fixed window starts on its phase, so its fresh ts is the phase of the windows.
+    limit = {
+      rate = parse(ARGV[o + 3]), period = parse(ARGV[o + 4]), capacity = parse(ARGV[o + 5]),
+      phase = parse(ARGV[o + 9]),
+    },
     lowest = lowest,
     count = parse(ARGV[o + 7]),
     fresh = { parse(ARGV[o + 8]), parse(ARGV[o + 9]) },
