@@ -14,7 +14,7 @@ from .config import parse_limit
 
 __all__ = ["check_database", "check_settings"]
 
-_SETTINGS_HINT = "See the settings reference in the django_tokenbucket README."
+_SETTINGS_HINT = "See the settings reference in the django_tokenbucket docs (docs/settings.md)."
 
 
 @checks.register()

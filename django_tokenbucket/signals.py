@@ -1,6 +1,6 @@
-"""Signals sent for every decision taken by ``limit()`` (not by ``check()``).
+"""Signals sent for every decision taken by ``limit()`` (not by ``check()``), and for store failures.
 
-Receivers get ``name``, ``key``, ``count`` and ``status``. They run synchronously on the
+The decision signals' receivers get ``name``, ``key``, ``count`` and ``status``. They run synchronously on the
 request path: keep them cheap (increment a counter, don't do I/O).
 """
 
@@ -15,6 +15,8 @@ rate_limit_allowed = Signal()
 #: shadow mode (and was let through).
 rate_limit_denied = Signal()
 
-#: The store failed. Extra arguments: ``names`` (the limits of the call), ``exception``
-#: and ``fail_open`` (whether the call was allowed anyway).
+#: The store failed, on any call (reads such as ``check()`` and ``get_value()`` too).
+#: Extra arguments: ``names`` (the limits of the call), ``exception`` (the library's
+#: ``BackendError``; the driver's exception is its ``__cause__``) and ``fail_open``
+#: (whether the call was allowed anyway).
 rate_limit_backend_error = Signal()

@@ -24,14 +24,17 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext_lazy as _
-from rest_framework.exceptions import APIException
+from rest_framework.exceptions import APIException, Throttled
 from rest_framework.request import Request as DRFRequest
+from rest_framework.response import Response
 from rest_framework.settings import api_settings
 from rest_framework.throttling import BaseThrottle
+from rest_framework.views import exception_handler as drf_exception_handler
 
 from .api import LimitRequest, limiter
 from .conf import tokenbucket_settings
-from .exceptions import BackendUnavailable
+from .exceptions import BackendUnavailable, RateLimited
+from .http import add_ratelimit_headers
 from .ip import client_ip
 from .status import Status
 
@@ -41,6 +44,7 @@ __all__ = [
     "ServiceUnavailable",
     "TokenBucketThrottle",
     "UserRateThrottle",
+    "exception_handler",
 ]
 
 Signature = tuple[str, tuple[str, ...]]
@@ -207,3 +211,27 @@ class ScopedRateThrottle(UserRateThrottle):
         if not scope:
             return []
         return [scope] if isinstance(scope, str) else list(scope)
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    """DRF's ``EXCEPTION_HANDLER``, answering 429 for ``RateLimited`` and 503 for ``BackendUnavailable``.
+
+    ``RateLimited`` is a ``PermissionDenied`` (so plain Django answers 403 rather than
+    500), and DRF's own handler turns every ``PermissionDenied`` into a 403 whose body is
+    the exception's message, key included. With this handler, ``limiter.limit(...,
+    throws=True)`` in an API view answers like a throttle: 429 with ``Retry-After``.
+    Everything else goes to DRF's handler::
+
+        REST_FRAMEWORK = {"EXCEPTION_HANDLER": "django_tokenbucket.throttling.exception_handler"}
+    """
+    if isinstance(exc, RateLimited):
+        response = drf_exception_handler(Throttled(wait=exc.retry_after), context)
+        if response is not None:
+            # RFC 6585: a 429 must not be stored by a cache.
+            response["Cache-Control"] = "no-store"
+            if exc.status is not None:
+                add_ratelimit_headers(response, [exc.status])
+        return response
+    if isinstance(exc, BackendUnavailable):
+        return drf_exception_handler(ServiceUnavailable(), context)
+    return drf_exception_handler(exc, context)

@@ -136,3 +136,36 @@ def test_ratelimit_headers_through_the_middleware(api):
     # Anonymous requests meet both default throttles, as with DRF's own classes.
     assert response["RateLimit-Policy"] == '"anon";q=3;w=60, "user";q=5;w=60'
     assert response["RateLimit"] == '"anon";r=2;t=20, "user";r=4;t=12'
+
+
+HANDLER = "django_tokenbucket.throttling.exception_handler"
+
+
+def test_rate_limited_in_an_api_view_is_a_403_with_the_key_under_drfs_own_handler(api):
+    """Why the handler exists: DRF answers any PermissionDenied itself, message and all."""
+    codes = [api.post("/api/inside/", {"username": "mallory"}).status_code for _ in range(5)]
+    assert codes == [200] * 5
+    response = api.post("/api/inside/", {"username": "mallory"})
+    assert response.status_code == 403 and "secret-account" in response.json()["detail"]
+
+
+def test_the_exception_handler_answers_429_with_the_wait_and_no_key(api, clock):
+    with override_settings(REST_FRAMEWORK={**REST_FRAMEWORK, "EXCEPTION_HANDLER": HANDLER}):
+        assert [api.post("/api/inside/", {"username": "mallory"}).status_code for _ in range(5)] == [200] * 5
+        clock.advance(1.5)  # login is 5/m: the next token comes 12 s after the burst
+        response = api.post("/api/inside/", {"username": "mallory"})
+        assert response.status_code == 429
+        assert response["Retry-After"] == "11"  # 10.5 s, rounded up
+        assert response["Cache-Control"] == "no-store"
+        assert "secret-account" not in response.content.decode()
+        assert api.post("/api/inside/", {"username": "trent"}).status_code == 200
+        # Everything else is still DRF's: a 405 stays a 405.
+        assert api.get("/api/inside/").status_code == 405
+
+
+def test_the_exception_handler_answers_503_when_the_store_fails(api):
+    failing = {**BASE_SETTINGS, "OPTIONS": {"DATABASE": "unreachable"}, "RETRY_ATTEMPTS": 1}
+    with override_settings(REST_FRAMEWORK={**REST_FRAMEWORK, "EXCEPTION_HANDLER": HANDLER}, TOKENBUCKET=failing):
+        response = api.post("/api/inside/", {"username": "mallory"})
+    assert response.status_code == 503
+    assert response.json()["detail"] == "Rate limiting is temporarily unavailable."

@@ -22,6 +22,7 @@ urlpatterns = [
     path("probe/", views.unavailable_probe),
     path("api/default/", views.DefaultThrottled.as_view()),
     path("api/two/", views.TwoThrottles.as_view()),
+    path("api/inside/", views.LimitedInside.as_view()),
     path("api/burst/", views.BurstSustained.as_view()),
     path("api/costly/", views.Costly.as_view()),
     path("api/function/", views.function_api),

@@ -102,6 +102,16 @@ class DefaultThrottled(APIView):
         return Response({"ok": True})
 
 
+class LimitedInside(APIView):
+    """Calls the limiter itself, with throws=True, on a key clients must not see."""
+
+    throttle_classes: list[type] = []
+
+    def post(self, request):
+        limiter.limit("login", ("secret-account", request.data.get("username")), throws=True)
+        return Response({"ok": True})
+
+
 class TwoThrottles(APIView):
     throttle_classes = [UserRateThrottle, ScopedRateThrottle]
     throttle_scope = "scarce"
