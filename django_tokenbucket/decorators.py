@@ -141,12 +141,14 @@ def ratelimit(
             request.ratelimit = status  # type: ignore[attr-defined]
             request.limited = getattr(request, "limited", False) or not status.ok  # type: ignore[attr-defined]
             if block and not status.ok:
-                return add_ratelimit_headers(rate_limited_response(request, status), [status])
+                return add_ratelimit_headers(rate_limited_response(request, status), request.ratelimits)  # type: ignore[attr-defined]
             return None
 
-        def after(response: HttpResponseBase, status: Status | None) -> HttpResponseBase:
+        def after(request: HttpRequest, response: HttpResponseBase, status: Status | None) -> HttpResponseBase:
             if status is not None and isinstance(response, HttpResponseBase):
-                add_ratelimit_headers(response, [status])
+                # Every limit the request met, so that stacked decorators add up rather
+                # than the outermost one replacing the others' headers.
+                add_ratelimit_headers(response, request.ratelimits)  # type: ignore[attr-defined]
             return response
 
         if iscoroutinefunction(view):
@@ -161,7 +163,7 @@ def ratelimit(
                 blocked = before(request, status)
                 if blocked is not None:
                     return blocked
-                return after(await view(*args, **kwargs), status)
+                return after(request, await view(*args, **kwargs), status)
 
             wrapper: Callable[..., Any] = markcoroutinefunction(async_wrapper)
         else:
@@ -175,7 +177,7 @@ def ratelimit(
                 blocked = before(request, status)
                 if blocked is not None:
                     return blocked
-                return after(view(*args, **kwargs), status)
+                return after(request, view(*args, **kwargs), status)
 
             wrapper = sync_wrapper
         return functools.wraps(view)(wrapper)  # type: ignore[return-value]

@@ -194,6 +194,14 @@ class TestRateLimitHeaders:
         assert denied["RateLimit"] == '"tests.views.inline_ip";r=0;t=25'
         assert int(denied["Retry-After"]) >= 25
 
+    def test_stacked_decorators_report_every_limit(self, client, clock):
+        for _ in range(5):
+            assert client.post("/stacked/", {"username": "bob"}).status_code == 200
+        response = client.post("/stacked/", {"username": "bob"})
+        assert response.status_code == 429  # login (5/m) is spent; ten_per_minute is not
+        assert response["RateLimit-Policy"] == '"ten_per_minute";q=10;w=60, "login";q=5;w=60'
+        assert response["RateLimit"] == '"ten_per_minute";r=4;t=36, "login";r=0;t=12'
+
     def test_off_by_default(self, client):
         with override_settings(TOKENBUCKET=BASE_SETTINGS):
             assert not client.get("/inline-ip/").has_header("RateLimit")

@@ -10,6 +10,7 @@ router.register("things", views.Things, basename="things")
 urlpatterns = [
     path("inline-ip/", views.inline_ip),
     path("login/", views.login),
+    path("stacked/", views.stacked),
     path("soft/", views.soft),
     path("dotted/", views.by_dotted_path),
     path("exemptable/", views.exemptable),

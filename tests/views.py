@@ -33,6 +33,12 @@ def login(request):
     return JsonResponse(_body(request))
 
 
+@ratelimit("ten_per_minute", key="ip")
+@ratelimit("login", key="post:username", method=UNSAFE)
+def stacked(request):
+    return JsonResponse(_body(request))
+
+
 @ratelimit(key="user_or_ip", rate="2/m", block=False)
 def soft(request):
     return JsonResponse(_body(request))
