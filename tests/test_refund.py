@@ -25,7 +25,8 @@ from .settings import TOKENBUCKET as BASE_SETTINGS
 M = MICRO
 T = 1_700_000_000_000_000
 TB = {"rate": 10 * M, "period": 60 * M, "capacity": 10 * M}  # one token per 6 s
-FW = {"rate": 5 * M, "period": 60 * M, "capacity": 5 * M, "offset": 0}
+#: Windows of 60 s starting at T.
+FW = {"rate": 5 * M, "period": 60 * M, "capacity": 5 * M, "offset": T % (60 * M)}
 
 
 # -- algorithms ----------------------------------------------------------------------
