@@ -11,6 +11,7 @@ from django.utils.module_loading import import_string
 
 from .conf import DEFAULT_BACKEND, DEFAULTS
 from .config import parse_limit
+from .ip import ip_settings_problems
 
 __all__ = ["check_database", "check_settings"]
 
@@ -92,6 +93,19 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                 hint="'store' (the default) takes time from the database or Redis, so that "
                 "app servers with skewed clocks agree.",
                 id="django_tokenbucket.E007",
+            )
+        )
+    for problem in ip_settings_problems(
+        user.get("TRUSTED_PROXIES", DEFAULTS["TRUSTED_PROXIES"]),
+        user.get("IP_HEADER", DEFAULTS["IP_HEADER"]),
+        user.get("IPV6_PREFIX", DEFAULTS["IPV6_PREFIX"]),
+    ):
+        errors.append(
+            checks.Error(
+                f"TOKENBUCKET: {problem}.",
+                hint="Client addresses decide whose bucket a request uses: see the decorator docs "
+                "(docs/decorator.md, 'Client addresses').",
+                id="django_tokenbucket.E012",
             )
         )
     for setting in ("RETRY_ATTEMPTS", "RETRY_BASE_DELAY", "RETRY_MAX_DELAY"):

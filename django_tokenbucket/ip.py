@@ -23,7 +23,15 @@ from django.http import HttpRequest
 
 from .conf import tokenbucket_settings
 
-__all__ = ["FALLBACKS", "client_address", "client_ip", "ip_key", "normalize_ip", "parse_ip"]
+__all__ = [
+    "FALLBACKS",
+    "client_address",
+    "client_ip",
+    "ip_key",
+    "ip_settings_problems",
+    "normalize_ip",
+    "parse_ip",
+]
 
 logger = logging.getLogger("django_tokenbucket")
 
@@ -59,11 +67,48 @@ def parse_ip(value: str) -> IPAddress | None:
     return address
 
 
+def _trusted_proxies_problem(value: object) -> str | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return None
+    if isinstance(value, (list, tuple)):
+        for cidr in value:
+            try:
+                if not isinstance(cidr, str):
+                    raise TypeError(cidr)
+                ipaddress.ip_network(cidr, strict=False)
+            except (TypeError, ValueError):
+                return f"TRUSTED_PROXIES lists {cidr!r}, which is not an address or a CIDR such as '10.0.0.0/8'"
+        return None
+    # Anything else would silently trust the wrong hop: a negative count takes the
+    # address the client wrote itself, a string or a float trusts nothing at all.
+    return (
+        "TRUSTED_PROXIES must be None, the number of proxies in front of Django (an int >= 0) "
+        f"or a list of their CIDRs, not {value!r}"
+    )
+
+
+def _ipv6_prefix_problem(value: object) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 128:
+        return None
+    return f"IPV6_PREFIX must be a prefix length from 1 to 128 (64: one subscriber's network), not {value!r}"
+
+
+def ip_settings_problems(trusted_proxies: object, ip_header: object, ipv6_prefix: object) -> list[str]:
+    """Return what is wrong with the client-address settings (for the system check)."""
+    problems = [_trusted_proxies_problem(trusted_proxies), _ipv6_prefix_problem(ipv6_prefix)]
+    if ip_header is not None and (not isinstance(ip_header, str) or not ip_header.strip()):
+        problems.append(f"IP_HEADER must be None or a header name such as 'CF-Connecting-IP', not {ip_header!r}")
+    return [problem for problem in problems if problem is not None]
+
+
 def ip_key(address: IPAddress, ipv6_prefix: int | None = None) -> str:
     """Return the bucket key of an address: the IPv4 address, or its IPv6 network."""
     if isinstance(address, ipaddress.IPv4Address):
         return str(address)
     prefix = tokenbucket_settings.IPV6_PREFIX if ipv6_prefix is None else ipv6_prefix
+    problem = _ipv6_prefix_problem(prefix)
+    if problem is not None:
+        raise ImproperlyConfigured(f"TOKENBUCKET: {problem}")
     return str(ipaddress.IPv6Network((address, prefix), strict=False))
 
 
@@ -102,6 +147,10 @@ def client_address(request: HttpRequest, trusted_proxies: Any = _FROM_SETTINGS) 
     """
     remote = parse_ip(request.META.get("REMOTE_ADDR", ""))
     trusted = tokenbucket_settings.TRUSTED_PROXIES if trusted_proxies is _FROM_SETTINGS else trusted_proxies
+    if trusted is not None and not isinstance(trusted, (list, tuple)):
+        problem = _trusted_proxies_problem(trusted)
+        if problem is not None:
+            raise ImproperlyConfigured(f"TOKENBUCKET: {problem}")
     networks = _trusted_networks(tuple(trusted)) if isinstance(trusted, (list, tuple)) else ()
 
     header = tokenbucket_settings.IP_HEADER

@@ -172,6 +172,56 @@ def test_bad_clock_e007(value):
         assert repr(value) in errors[0].msg
 
 
+@pytest.mark.parametrize(
+    "setting, value",
+    [
+        ("TRUSTED_PROXIES", -1),  # would key on the address the client wrote itself
+        ("TRUSTED_PROXIES", True),
+        ("TRUSTED_PROXIES", "1"),
+        ("TRUSTED_PROXIES", 1.5),
+        ("TRUSTED_PROXIES", ["10.0.0.0/8", "10.0.0.300"]),
+        ("TRUSTED_PROXIES", [10]),
+        ("IPV6_PREFIX", 0),  # every IPv6 client in one bucket
+        ("IPV6_PREFIX", 129),
+        ("IPV6_PREFIX", 64.5),
+        ("IPV6_PREFIX", True),
+        ("IP_HEADER", ""),
+        ("IP_HEADER", ["CF-Connecting-IP"]),
+    ],
+    ids=repr,
+)
+def test_bad_client_address_settings_e012(setting, value):
+    with override_settings(TOKENBUCKET=tokenbucket(**{setting: value})):
+        errors = [m for m in our_messages() if m.id == "django_tokenbucket.E012"]
+    assert len(errors) == 1
+    assert setting in errors[0].msg
+
+
+@pytest.mark.parametrize(
+    "setting, value",
+    [("TRUSTED_PROXIES", 0), ("TRUSTED_PROXIES", 2), ("TRUSTED_PROXIES", ["10.0.0.0/8", "2001:db8::1"]),
+     ("TRUSTED_PROXIES", ()), ("IPV6_PREFIX", 48), ("IPV6_PREFIX", 128), ("IP_HEADER", "CF-Connecting-IP")],
+    ids=repr,
+)
+def test_good_client_address_settings(setting, value):
+    with override_settings(TOKENBUCKET=tokenbucket(**{setting: value})):
+        assert our_messages() == []
+
+
+@pytest.mark.parametrize(
+    "setting, value, remote",
+    [("TRUSTED_PROXIES", -1, "10.0.0.1"), ("TRUSTED_PROXIES", "1", "10.0.0.1"), ("IPV6_PREFIX", 129, "2001:db8::1")],
+    ids=repr,
+)
+def test_bad_client_address_settings_fail_the_request_not_silently(rf, setting, value, remote):
+    from django_tokenbucket.ip import client_ip
+
+    request = rf.get("/", REMOTE_ADDR=remote, HTTP_X_FORWARDED_FOR="6.6.6.6, 198.51.100.7")
+    with override_settings(TOKENBUCKET=tokenbucket(**{setting: value})):
+        with pytest.raises(ImproperlyConfigured, match=setting):
+            client_ip(request)
+
+
 @pytest.mark.parametrize("value", ["store", "app"])
 def test_good_clock(value):
     with override_settings(TOKENBUCKET=tokenbucket(CLOCK=value)):
