@@ -1,7 +1,9 @@
-"""Settings of the example project: SQLite, no other server needed.
+"""Settings of the example project: SQLite and a folder-based Celery broker, no server needed.
 
-Set ``DATABASE_URL`` to ``postgres://user@host:port/name`` or
-``mysql://user@host:port/name`` to run it on PostgreSQL or MariaDB instead.
+``DATABASE_URL`` (``postgres://user@host:port/name`` or ``mysql://user@host:port/name``)
+puts the data on PostgreSQL or MariaDB instead; ``REDIS_URL`` (``redis://host:port/db``)
+keeps the rate-limit state in Redis (through a django-redis cache) and uses Redis as
+the Celery broker.
 """
 
 import os
@@ -23,7 +25,9 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "rest_framework",
     "django_tokenbucket",
+    "example_project.demo",
 ]
 
 MIDDLEWARE = [
@@ -33,13 +37,15 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    # RateLimit headers on the DRF throttles' responses, no-store on every 429.
+    "django_tokenbucket.middleware.RateLimitMiddleware",
 ]
 
 ROOT_URLCONF = "example_project.urls"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        "DIRS": [],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -51,6 +57,7 @@ TEMPLATES = [
     }
 ]
 WSGI_APPLICATION = "example_project.wsgi.application"
+LOGIN_URL = "login"
 
 
 def _database_from_url(url: str) -> dict:
@@ -90,10 +97,63 @@ STATIC_URL = "static/"
 
 TOKENBUCKET = {
     "LIMITS": {
-        # A burst of 5, then one request every 2 seconds.
-        "demo": {"kind": "token bucket", "rate": 30, "period": 60, "capacity": 5},
+        # Login attempts (example_project/demo/views.py): 5 per username and 10 per
+        # address, then one every 12 s resp. 6 s.
+        "login_username": {"rate": "5/m"},
+        "login_ip": {"rate": "10/m"},
+        # A partner API that bills per call (the async currency converter): 10 calls
+        # per client per minute, in fixed windows.
         "partner_api": {"kind": "fixed window", "rate": 10, "period": 60},
-        "llm_tokens": {"kind": "token bucket", "rate": 4000, "period": 60, "max_reserved": 20000},
+        # The LLM budget of the summariser: 6,000 tokens a minute per user, and at most
+        # 30,000 reserved ahead, so a flood of jobs is refused instead of queued for hours.
+        "llm_tokens": {"rate": 6000, "period": 60, "max_reserved": 30000},
+        # The playground's limits (one bucket per visitor address).
+        "playground_bucket": {"rate": "1/s", "capacity": 5},
+        "playground_slow": {"rate": 10, "period": 60, "capacity": 10},
+        "playground_window": {"kind": "fixed window", "rate": 5, "period": 10},
+        "playground_reserve": {"rate": "1/s", "capacity": 5, "max_reserved": 5},
     },
     "FAIL_OPEN": False,
+    # The IETF RateLimit-Policy / RateLimit headers, to show them off.
+    "HEADERS": True,
+    # A friendly HTML page for browsers (JSON clients still get JSON).
+    "RESPONSE": "example_project.demo.views.too_many_requests",
 }
+
+REST_FRAMEWORK = {
+    # Decided together, all-or-nothing: a request denied by the burst scope spends no
+    # token of the sustained one.
+    "DEFAULT_THROTTLE_CLASSES": [
+        "example_project.demo.throttles.BurstRateThrottle",
+        "example_project.demo.throttles.SustainedRateThrottle",
+    ],
+    "DEFAULT_THROTTLE_RATES": {"burst": "5/10s", "sustained": "100/h"},
+}
+
+# Celery (example_project/celery.py reads every CELERY_* setting).
+BROKER_DIR = VAR_DIR / "broker"
+CELERY_TIMEZONE = "UTC"
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE = {
+    # Publishes reservations whose message was lost or whose ETA was too far away for
+    # the broker (docs/celery.md): the folder broker loses the messages a killed worker held.
+    "tokenbucket-sweep": {"task": "django_tokenbucket.sweep_reservations", "schedule": 30.0},
+    "tokenbucket-cleanup": {"task": "django_tokenbucket.cleanup", "schedule": 300.0},
+}
+
+if os.environ.get("REDIS_URL"):
+    CACHES = {"default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": os.environ["REDIS_URL"]}}
+    TOKENBUCKET["BACKEND"] = "django_tokenbucket.backends.redis.RedisBackend"
+    CELERY_BROKER_URL = os.environ["REDIS_URL"]
+else:
+    # Messages are files in a folder: a broker that needs no server, for one machine.
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(BROKER_DIR / "queue"),
+        "data_folder_out": str(BROKER_DIR / "queue"),
+        "control_folder": str(BROKER_DIR / "control"),
+        "polling_interval": 0.2,
+    }
+    for folder in ("queue", "control"):
+        (BROKER_DIR / folder).mkdir(parents=True, exist_ok=True)

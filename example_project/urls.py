@@ -1,10 +1,9 @@
 from django.contrib import admin
-from django.urls import path
-
-from . import views
+from django.contrib.auth.views import LogoutView
+from django.urls import include, path
 
 urlpatterns = [
-    path("", views.home, name="home"),
-    path("api/hit/<str:name>/", views.hit, name="hit"),
+    path("", include("example_project.demo.urls")),
+    path("logout/", LogoutView.as_view(next_page="home"), name="logout"),
     path("admin/", admin.site.urls),
 ]

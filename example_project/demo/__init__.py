@@ -1,0 +1,1 @@
+"""The pages of the example project: one realistic use of each integration."""
