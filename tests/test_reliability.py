@@ -1,0 +1,577 @@
+"""Rows of the reliability plan that no other test file covered (see docs/reliability.md).
+
+- F1: the server drops the connection between the row lock and the write.
+- F7/F8: statement and lock timeouts map to the fail mode, are not retried, and leave no
+  partial write (MySQL's lock wait timeout rolls back only its statement).
+- F10: serialization failures injected after the write: each admitted decision still
+  consumes exactly one token.
+- F11: an ambiguous commit (committed, but reported as failed) is never run again.
+- F12: a worker SIGKILLed while it holds the row lock blocks nobody once it is gone.
+- H8: shadow mode replays a trace with the same would-deny decisions as enforcement.
+- K6: time zones and DST change no decision (all arithmetic is on epoch microseconds).
+- K7: integer micro-tokens admit exactly one request per refill interval; floats drift.
+- R2: hostile limit names still give RateLimit headers that parse as RFC 9651 lists.
+- S8: a limit on the global key is left out of the headers.
+
+Faults are caused for real on PostgreSQL and MariaDB (``pg_terminate_backend()``,
+``KILL``, a lock held by a second connection, errors raised by the server itself);
+the test hook is a wrapper around one backend step. The clock is pinned, so every
+assertion is exact; the few durations measured are printed as figures, never asserted.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+from contextlib import contextmanager
+from datetime import UTC, datetime
+
+import pytest
+from django.conf import settings
+from django.db import connections, transaction
+from django.http import HttpResponse
+from django.test import override_settings
+
+from django_tokenbucket import BackendUnavailable, LimitRequest, limiter, signals
+from django_tokenbucket.algorithms import MICRO
+from django_tokenbucket.backends import database as database_module
+from django_tokenbucket.backends import get_backend
+from django_tokenbucket.backends.database import DatabaseBackend, error_code
+from django_tokenbucket.config import parse_limit
+from django_tokenbucket.http import ratelimit_headers
+from django_tokenbucket.keys import encode_key
+from django_tokenbucket.models import RateLimit
+from django_tokenbucket.testing import frozen_clock
+
+from .settings import TOKENBUCKET as BASE_SETTINGS
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+T0 = 1_700_000_000.0
+CONFIG = {"rate": 10, "period": 60}  # C = 10, one token every 6 s
+#: A second connection to the same test database (a test mirror of "default").
+SIDE = {"postgres": "serializable", "mariadb": "repeatable_read"}.get(settings.DB)
+
+
+def stored(name: str, key: object) -> tuple[int, int] | None:
+    row = RateLimit.objects.filter(name=name, key=encode_key(key).digest).values_list("value", "ts").first()
+    return None if row is None else tuple(row)
+
+
+def figure(line: str) -> None:
+    print(f"\n{line}")
+
+
+def warnings_of(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "django_tokenbucket" and r.levelno == logging.WARNING]
+
+
+@contextmanager
+def tokenbucket(**options):
+    # New TOKENBUCKET settings also reset the throttled logger, so log counts start at 0.
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, **options}):
+        yield get_backend()
+
+
+@contextmanager
+def row_locked_elsewhere(name: str, key: object):
+    """Hold the row of ``(name, key)`` locked from a second connection for the block."""
+    with transaction.atomic(using=SIDE):
+        rows = RateLimit.objects.using(SIDE).select_for_update().filter(name=name, key=encode_key(key).digest)
+        assert len(list(rows)) == 1
+        yield
+
+
+@pytest.fixture
+def side():
+    yield connections[SIDE]
+    connections[SIDE].close()
+
+
+# ---------------------------------------------------------------------------------------
+# F1: connection dropped between SELECT ... FOR UPDATE and the UPDATE
+# ---------------------------------------------------------------------------------------
+
+
+def kill_connection_of(alias: str) -> None:
+    """Make the server end ``alias``'s session, from a second connection; wait until it is gone."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()" if settings.DB == "postgres" else "SELECT CONNECTION_ID()")
+        session = cursor.fetchone()[0]
+    if settings.DB == "postgres":
+        kill = "SELECT pg_terminate_backend(%s)"
+        alive = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+    else:
+        kill = "KILL %s"
+        alive = "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = %s"
+    with connections[SIDE].cursor() as cursor:
+        cursor.execute(kill, [session])
+        deadline = time.monotonic() + 10
+        while True:  # a condition, polled: the session must be gone before we go on
+            cursor.execute(alive, [session])
+            if cursor.fetchone()[0] == 0:
+                return
+            assert time.monotonic() < deadline, "the killed session did not go away"
+            time.sleep(0.005)
+
+
+@pytest.mark.only_on("postgres", "mariadb")
+@pytest.mark.parametrize("fail_open", [False, True], ids=["fail-closed", "fail-open"])
+def test_f1_connection_killed_between_lock_and_write(side, monkeypatch, caplog, fail_open):
+    with tokenbucket(FAIL_OPEN=fail_open), frozen_clock(T0):
+        assert limiter.limit("f1", "k", count=4, config=CONFIG).value == 6
+        before = stored("f1", "k")
+
+        decide_all = database_module.decide_all
+        kills = []
+
+        def kill_then_decide(requests, states, now):
+            # Every row is locked (SELECT ... FOR UPDATE ran); the UPDATE comes next.
+            if not kills:
+                kills.append(True)
+                kill_connection_of("default")
+            return decide_all(requests, states, now)
+
+        monkeypatch.setattr(database_module, "decide_all", kill_then_decide)
+        started = time.perf_counter()
+        with caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
+            if fail_open:
+                status = limiter.limit("f1", "k", config=CONFIG)
+                assert status.ok and status.failed_open and status.value is None
+            else:
+                with pytest.raises(BackendUnavailable, match="'f1'"):
+                    limiter.limit("f1", "k", config=CONFIG)
+        elapsed = time.perf_counter() - started
+        monkeypatch.undo()
+
+        assert kills == [True]
+        assert stored("f1", "k") == before  # the transaction died with its session: nothing written
+        [record] = warnings_of(caplog)
+        message = record.getMessage()
+        assert "'f1'" in message and encode_key("k").digest[:12] in message and "OperationalError" in message
+        # The same thread's next call opens a new connection and decides normally.
+        recovered = time.perf_counter()
+        assert limiter.limit("f1", "k", config=CONFIG).value == 5
+        recovery = time.perf_counter() - recovered
+    figure(
+        f"F1 {settings.DB} {'fail-open' if fail_open else 'fail-closed'}: state delta 0, warnings 1, "
+        f"decision in {elapsed * 1000:.0f} ms, next call (reconnect) {recovery * 1000:.0f} ms"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# F7 / F8: statement and lock timeouts
+# ---------------------------------------------------------------------------------------
+
+TIMEOUTS = {
+    # (setting SQL, reset SQL, expected error code)
+    ("postgres", "statement"): ("SET statement_timeout = '100ms'", "RESET statement_timeout", "57014"),
+    ("postgres", "lock"): ("SET lock_timeout = '50ms'", "RESET lock_timeout", "55P03"),
+    ("mariadb", "lock"): (
+        "SET SESSION innodb_lock_wait_timeout = 1",
+        "SET SESSION innodb_lock_wait_timeout = DEFAULT",
+        "1205",
+    ),
+}
+
+
+@contextmanager
+def session_setting(sql: str, reset: str):
+    with connections["default"].cursor() as cursor:
+        cursor.execute(sql)
+    try:
+        yield
+    finally:
+        with connections["default"].cursor() as cursor:
+            cursor.execute(reset)
+
+
+@pytest.mark.only_on("postgres", "mariadb")
+@pytest.mark.parametrize("kind", [kind for db, kind in TIMEOUTS if db == settings.DB] or ["lock"])
+def test_f7_f8_timeouts_fail_by_mode_without_retry_or_partial_write(side, kind):
+    set_sql, reset_sql, code = TIMEOUTS[(settings.DB, kind)]
+    with tokenbucket() as backend, frozen_clock(T0):
+        limiter.limit("f8-b", "k", count=3, config=CONFIG)  # a row to hold locked
+        before = stored("f8-b", "k")
+        retried, gave_up = sum(backend.retried.values()), sum(backend.gave_up.values())
+        # "f8-a" sorts first: its fresh row is INSERTed before the lock wait on "f8-b"
+        # times out. MySQL's 1205 rolls back only that statement, so only the limiter
+        # leaving atomic() by exception keeps the INSERT from being committed.
+        requests = [LimitRequest("f8-a", "k", config=CONFIG), LimitRequest("f8-b", "k", config=CONFIG)]
+        with row_locked_elsewhere("f8-b", "k"), session_setting(set_sql, reset_sql):
+            started = time.perf_counter()
+            with pytest.raises(BackendUnavailable) as excinfo:
+                limiter.limit_many(requests)
+            elapsed = time.perf_counter() - started
+        assert error_code(excinfo.value.__cause__.__cause__) == code
+        assert (sum(backend.retried.values()), sum(backend.gave_up.values())) == (retried, gave_up)
+        assert stored("f8-a", "k") is None  # no partial write
+        assert stored("f8-b", "k") == before
+        # Once the lock is released, the same call goes through.
+        assert limiter.limit_many(requests).ok
+        assert stored("f8-b", "k")[0] == before[0] - MICRO
+    figure(
+        f"F7/F8 {settings.DB} {kind} timeout: SQLSTATE/errno {code}, retries 0, partial writes 0, failed after {elapsed * 1000:.0f} ms"
+    )
+
+
+@pytest.mark.only_on("postgres", "mariadb")
+def test_f8_lock_timeout_inside_the_callers_transaction_leaves_it_usable(side):
+    """Fail open inside ATOMIC_REQUESTS-style code: the savepoint is rolled back, the caller goes on."""
+    set_sql, reset_sql, _ = TIMEOUTS[(settings.DB, "lock")]
+    with tokenbucket(FAIL_OPEN=True), frozen_clock(T0):
+        limiter.limit("f8-b", "k", count=3, config=CONFIG)
+        before = stored("f8-b", "k")
+        with row_locked_elsewhere("f8-b", "k"), session_setting(set_sql, reset_sql):
+            with transaction.atomic():
+                RateLimit.objects.create(name="caller-row", key="0" * 64, value=1, ts=1)
+                status = limiter.limit("f8-b", "k", config=CONFIG)
+                assert status.ok and status.failed_open
+                # The caller's own transaction still works and commits its writes.
+                assert RateLimit.objects.filter(name="caller-row").count() == 1
+        assert RateLimit.objects.filter(name="caller-row").count() == 1
+        assert stored("f8-b", "k") == before
+
+
+# ---------------------------------------------------------------------------------------
+# F10: deterministic retries — the server raises 40001 / 1213 after the write
+# ---------------------------------------------------------------------------------------
+
+INJECT_SQL = {
+    "postgres": "DO $$ BEGIN RAISE EXCEPTION 'injected serialization failure' USING ERRCODE = '40001'; END $$",
+    "mariadb": "SIGNAL SQLSTATE '40001' SET MYSQL_ERRNO = 1213, MESSAGE_TEXT = 'injected deadlock'",
+}
+INJECTED_CODE = {"postgres": "40001", "mariadb": "1213"}
+
+
+@pytest.fixture
+def inject(monkeypatch):
+    """``inject["left"] = n``: the next n decisions fail after their UPDATE, raised by the server."""
+    state = {"left": 0, "raised": 0}
+    consume = DatabaseBackend._consume
+
+    def failing_after_the_write(self, alias, requests):
+        outcome = consume(self, alias, requests)
+        if state["left"] > 0:
+            state["left"] -= 1
+            state["raised"] += 1
+            with connections[alias].cursor() as cursor:
+                cursor.execute(INJECT_SQL[settings.DB])
+        return outcome
+
+    monkeypatch.setattr(DatabaseBackend, "_consume", failing_after_the_write)
+    return state
+
+
+@pytest.mark.only_on("postgres", "mariadb")
+def test_f10_injected_retries_consume_exactly_one_token_per_admission(inject):
+    code = INJECTED_CODE[settings.DB]
+    config = {"rate": 100, "period": 3600}
+    with tokenbucket(RETRY_BASE_DELAY=0.0001, RETRY_MAX_DELAY=0.001) as backend, frozen_clock(T0):
+        retried_before = backend.retried[code]
+        admitted = 0
+        for _ in range(20):
+            inject["left"] = 2  # the first two attempts of every decision fail
+            status = limiter.limit("f10", "k", config=config)
+            admitted += status.ok
+        assert inject["raised"] == 40
+        assert backend.retried[code] - retried_before == 40
+        assert admitted == 20
+        assert limiter.get_value("f10", "k", config=config) == 100 - admitted  # tokens consumed == admitted
+    figure(
+        f"F10 {settings.DB}: 40 injected {code} over 20 decisions, 3 attempts each, tokens consumed 20 == admitted 20"
+    )
+
+
+@pytest.mark.only_on("postgres", "mariadb")
+def test_f10_retries_exhausted_apply_the_fail_mode_and_write_nothing(inject):
+    code = INJECTED_CODE[settings.DB]
+    config = {"rate": 100, "period": 3600}
+    with tokenbucket(RETRY_ATTEMPTS=3, RETRY_BASE_DELAY=0.0001, RETRY_MAX_DELAY=0.001) as backend, frozen_clock(T0):
+        limiter.limit("f10", "k", config=config)
+        before = stored("f10", "k")
+        gave_up = backend.gave_up[code]
+        inject["left"] = 3
+        with pytest.raises(BackendUnavailable):
+            limiter.limit("f10", "k", config=config)
+        assert backend.gave_up[code] == gave_up + 1
+        assert stored("f10", "k") == before
+        with override_settings(TOKENBUCKET={**settings.TOKENBUCKET, "FAIL_OPEN": True}):
+            inject["left"] = 3
+            assert limiter.limit("f10", "k", config=config).failed_open
+        assert stored("f10", "k") == before
+
+
+# ---------------------------------------------------------------------------------------
+# H8: shadow mode replays a trace with the enforced run's denials as would-deny
+# ---------------------------------------------------------------------------------------
+
+
+def test_h8_shadow_mode_would_deny_equals_enforced_denials():
+    rng = random.Random(8)
+    trace = [(rng.choice([0, 0, 0.5, 1, 2, 6, 13]), rng.randint(1, 3)) for _ in range(120)]
+    config = {"rate": 10, "period": 60, "capacity": 5}
+    denied_signals = {"enforced": 0, "shadow": 0}
+
+    def count(sender, name, shadow, **kwargs):
+        denied_signals["shadow" if shadow else "enforced"] += 1
+
+    def replay(name: str, spec: dict) -> list[tuple[bool, bool, float]]:
+        outcomes = []
+        with frozen_clock(T0) as clock:
+            for dt, n in trace:
+                clock.advance(dt)
+                status = limiter.limit(name, "k", count=n, config=spec)
+                outcomes.append((status.ok, status.would_deny, status.value))
+        return outcomes
+
+    signals.rate_limit_denied.connect(count)
+    try:
+        enforced = replay("h8-enforced", config)
+        shadow = replay("h8-shadow", {**config, "shadow": True})
+    finally:
+        signals.rate_limit_denied.disconnect(count)
+    denied = [i for i, (ok, _, _) in enumerate(enforced) if not ok]
+    would_deny = [i for i, (_, would, _) in enumerate(shadow) if would]
+    assert all(ok for ok, _, _ in shadow)  # shadow mode never denies
+    assert denied and would_deny == denied
+    assert [v for _, _, v in shadow] == [v for _, _, v in enforced]  # and keeps the same state
+    assert denied_signals == {"enforced": len(denied), "shadow": len(denied)}
+    figure(
+        f"H8 {settings.DB}: {len(trace)} requests, enforced denied {len(denied)}, shadow would_deny {len(would_deny)}, shadow denied 0"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# K6: time zones and DST
+# ---------------------------------------------------------------------------------------
+
+# 2026-11-01 01:00-02:00 happens twice in America/New_York (05:00-07:00 UTC).
+DST_START = datetime(2026, 11, 1, 4, 50, tzinfo=UTC).timestamp()
+
+
+def test_k6_time_zones_and_dst_change_no_decision():
+    rng = random.Random(6)
+    steps = [rng.choice([1, 7, 60, 240, 600]) for _ in range(60)]  # crosses 05:00-07:00 UTC
+    limits = {
+        "k6-bucket": {"rate": 3, "period": 3600, "capacity": 3},
+        "k6-window": {"kind": "fixed window", "rate": 3, "period": 3600, "start": 0},
+    }
+    runs = {}
+    for run, (zone, use_tz) in enumerate([("UTC", True), ("America/New_York", True), ("America/New_York", False)]):
+        with override_settings(TIME_ZONE=zone, USE_TZ=use_tz), frozen_clock(DST_START) as clock:
+            decisions = []
+            for dt in steps:
+                clock.advance(dt)
+                for name, config in limits.items():
+                    status = limiter.limit(name, f"run{run}", config=config)
+                    decisions.append((name, status.ok, status.value, status.retry_after, status.reset_after))
+            for name in limits:
+                _value, ts = stored(name, f"run{run}")
+                assert isinstance(ts, int)
+            runs[(zone, use_tz)] = decisions
+    # The trace did cross the whole repeated hour (it ends after 07:00 UTC).
+    assert DST_START + sum(steps) > datetime(2026, 11, 1, 7, 0, tzinfo=UTC).timestamp()
+    reference = runs[("UTC", True)]
+    assert {ok for _, ok, _, _, _ in reference} == {True, False}  # both outcomes are compared
+    diffs = {run: sum(a != b for a, b in zip(decisions, reference, strict=True)) for run, decisions in runs.items()}
+    assert set(diffs.values()) == {0}, diffs
+    figure(f"K6 {settings.DB}: {len(reference)} decisions across the 2026-11-01 repeated hour, diffs vs UTC {diffs}")
+
+
+# ---------------------------------------------------------------------------------------
+# K7: precision
+# ---------------------------------------------------------------------------------------
+
+K7_REQUESTS = 100_000  # 10^6 takes about 6 s of pure Python; the arithmetic is the same
+
+
+def test_k7_integer_micro_tokens_do_not_drift():
+    limit = parse_limit("k7", {"rate": 1000, "period": 1, "capacity": 1})  # a token every 1 ms
+    digest = "0" * 64
+    state, now, admitted = None, int(T0) * MICRO, 0
+    for _ in range(K7_REQUESTS):
+        now += 1000  # exactly 1 ms
+        decision = limit.decide(state, now, MICRO, digest)
+        if decision.allowed:
+            admitted += 1
+            state = decision.state
+    assert admitted == K7_REQUESTS
+
+    # Negative control: the same bucket in float seconds loses requests to rounding.
+    tokens, ts, now_s, float_admitted = 1.0, T0, T0, 0
+    for _ in range(K7_REQUESTS):
+        now_s += 0.001
+        tokens, ts = min(1.0, tokens + (now_s - ts) * 1000.0), now_s
+        if tokens >= 1.0:
+            tokens -= 1.0
+            float_admitted += 1
+    assert float_admitted < K7_REQUESTS
+    figure(
+        f"K7: {K7_REQUESTS} requests 1 ms apart at r=1000/s, C=1: admitted {admitted} (integer µs), {float_admitted} (float seconds)"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# R2: hostile limit names in the RateLimit headers
+# ---------------------------------------------------------------------------------------
+
+_SF_STRING = r'"(?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*"'
+_SF_PARAMS = r"(?:;[a-z*][a-z0-9_.*-]*=-?\d{1,15})*"
+_SF_LIST = re.compile(rf"{_SF_STRING}{_SF_PARAMS}(?:[ \t]*,[ \t]*{_SF_STRING}{_SF_PARAMS})*")
+
+
+def parse_sf_list(value: str) -> list[tuple[str, dict[str, int]]]:
+    """Parse an RFC 9651 list of sf-string items with integer parameters; raise on anything else."""
+    assert value.isascii() and _SF_LIST.fullmatch(value), value
+    members = []
+    for match in re.finditer(rf"({_SF_STRING})({_SF_PARAMS})", value):
+        name = re.sub(r'\\(["\\])', r"\1", match.group(1)[1:-1])
+        params = {k: int(v) for k, v in re.findall(r";([a-z*][a-z0-9_.*-]*)=(-?\d+)", match.group(2))}
+        members.append((name, params))
+    return members
+
+
+HOSTILE_NAMES = ['a"b', "back\\slash", 'x";q=999', 'y", "z";r=99', "semi;colon,comma", "é-limit", "名前", "\\"]
+
+
+def test_r2_hostile_names_give_parseable_headers():
+    with frozen_clock(T0):
+        statuses = [limiter.limit(name, "k", count=2, config={"rate": 5, "period": 60}) for name in HOSTILE_NAMES]
+    headers = ratelimit_headers(statuses)
+    response = HttpResponse()
+    for header, value in headers.items():
+        response[header] = value  # no BadHeaderError
+    policies = parse_sf_list(headers["RateLimit-Policy"])
+    limits = parse_sf_list(headers["RateLimit"])
+    assert len(policies) == len(limits) == len(HOSTILE_NAMES)  # nothing injected a member
+    for (name, policy), (_, current), original in zip(policies, limits, HOSTILE_NAMES, strict=True):
+        assert policy == {"q": 5, "w": 60} and current == {"r": 3, "t": 24}
+        if original.isascii():
+            assert name == original  # ASCII names round-trip exactly
+    figure(f"R2 {settings.DB}: {len(HOSTILE_NAMES)} hostile names, header parse failures 0, injected members 0")
+
+
+# ---------------------------------------------------------------------------------------
+# S8: no global capacity in the headers
+# ---------------------------------------------------------------------------------------
+
+
+def test_s8_a_global_limit_is_not_disclosed_in_the_headers():
+    with frozen_clock(T0):
+        per_client = limiter.limit("s8-client", "203.0.113.9", config={"rate": 5, "period": 60})
+        service_wide = limiter.limit("s8-global", None, config={"rate": 100000, "period": 60})
+    assert ratelimit_headers([service_wide]) == {}
+    headers = ratelimit_headers([per_client, service_wide])
+    assert [name for name, _ in parse_sf_list(headers["RateLimit-Policy"])] == ["s8-client"]
+    assert "100000" not in "".join(headers.values())
+
+
+# ---------------------------------------------------------------------------------------
+# F11: an ambiguous commit (the commit succeeded, the client was told it failed)
+# ---------------------------------------------------------------------------------------
+
+
+class AmbiguousCommit(Exception):
+    """What a driver reports when it cannot know whether COMMIT took effect."""
+
+    def __init__(self, sqlstate):
+        super().__init__(f"commit outcome unknown (SQLSTATE {sqlstate})")
+        self.sqlstate = sqlstate
+
+
+@pytest.mark.parametrize("sqlstate", ["40003", "08006"], ids=["statement-completion-unknown", "connection-failure"])
+@pytest.mark.parametrize("fail_open", [False, True], ids=["fail-closed", "fail-open"])
+def test_f11_an_ambiguous_commit_is_never_rerun(monkeypatch, sqlstate, fail_open):
+    from django.db import OperationalError
+
+    connection = connections["default"]
+    errors = []
+
+    def count(sender, exception, **kwargs):
+        errors.append(exception)
+
+    with tokenbucket(FAIL_OPEN=fail_open) as backend, frozen_clock(T0):
+        limiter.limit("f11", "k", config=CONFIG)
+        before = stored("f11", "k")
+        commit = connection._commit
+        ambiguous = []
+
+        def commit_then_fail():
+            commit()  # the tokens are spent for good...
+            if not ambiguous:
+                ambiguous.append(True)
+                # ...but the client hears an error, as after a lost COMMIT reply.
+                raise OperationalError("commit outcome unknown") from AmbiguousCommit(sqlstate)
+
+        monkeypatch.setattr(connection, "_commit", commit_then_fail)
+        retried = sum(backend.retried.values())
+        signals.rate_limit_backend_error.connect(count)
+        try:
+            if fail_open:
+                assert limiter.limit("f11", "k", config=CONFIG).failed_open
+            else:
+                with pytest.raises(BackendUnavailable):
+                    limiter.limit("f11", "k", config=CONFIG)
+        finally:
+            signals.rate_limit_backend_error.disconnect(count)
+            monkeypatch.undo()
+        assert ambiguous == [True] and len(errors) == 1  # counted, through the signal
+        assert sum(backend.retried.values()) == retried  # not re-run
+        value, _ts = stored("f11", "k")
+        assert value == before[0] - MICRO  # consumed once: over-consumption <= ambiguous events (1)
+    figure(
+        f"F11 {settings.DB} {sqlstate} {'fail-open' if fail_open else 'fail-closed'}: ambiguous commits 1, re-runs 0, tokens consumed 1, backend_error signals 1"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# F12: a worker killed (SIGKILL) while it holds the row lock
+# ---------------------------------------------------------------------------------------
+
+
+def _hold_the_lock_then_hang(queue, config):
+    """Child: lock the row inside a decision, say so, and hang until killed."""
+    decide_all = database_module.decide_all
+
+    def hang(requests, states, now):
+        queue.put("locked")
+        time.sleep(120)  # never returns: the parent kills this process
+        return decide_all(requests, states, now)
+
+    database_module.decide_all = hang
+    limiter.limit("f12", "k", config=config)
+
+
+def test_f12_a_worker_killed_holding_the_lock_blocks_nobody():
+    import multiprocessing
+    import os
+    import signal
+    import warnings
+
+    with tokenbucket(), frozen_clock(T0):
+        limiter.limit("f12", "k", count=2, config=CONFIG)
+        before = stored("f12", "k")
+        connections.close_all()  # the child opens its own connection
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            child = context.Process(target=_hold_the_lock_then_hang, args=(queue, CONFIG), daemon=True)
+            child.start()
+        try:
+            assert queue.get(timeout=60) == "locked"
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(timeout=30)
+        assert child.exitcode == -signal.SIGKILL
+        started = time.perf_counter()
+        status = limiter.limit("f12", "k", config=CONFIG)
+        waited = time.perf_counter() - started
+        assert status.ok and status.value == 7  # the killed worker's decision never committed
+        assert stored("f12", "k")[0] == before[0] - MICRO
+    figure(
+        f"F12 {settings.DB}: worker SIGKILLed holding the row lock; next decision waited {waited * 1000:.0f} ms, then succeeded"
+    )
