@@ -135,7 +135,10 @@ _SQLITE_FUNCTION = "django_tokenbucket_products_ge"
 def _products_ge(a: int | None, b: int | None, c: int | None, d: int | None) -> int | None:
     if a is None or b is None or c is None or d is None:
         return None
-    return int(a * b >= c * d)
+    # SQLite's MOD() (Django's registered function) answers a float. The fixed-window
+    # elapsed time it yields is an exact integer below 2**53 µs; as a float, its product
+    # with a rate would be rounded, so multiply integers.
+    return int(int(a) * int(b) >= int(c) * int(d))
 
 
 class ProductsAtLeast(Func):

@@ -358,6 +358,22 @@ def configs(draw, name):
     return LimitConfig(name=name, kind=kind, rate=rate, period=period, capacity=capacity, start=start)
 
 
+def test_state_filter_is_exact_where_products_pass_2_to_the_53():
+    """A window of an hour and a µs refilling 31.925 tokens: rate × period is ~1.1e17.
+
+    SQLite's MOD() answers a float, and a float product rounds; the filter must not.
+    """
+    now = round(T0 * MICRO)
+    limit = LimitConfig(
+        name="limit1", kind=FIXED_WINDOW, rate=31_925_000, period=3_600_000_001, capacity=31_925_000, start=0
+    )
+    ts = now - 4_399_527_779  # one window start (and 799.5 s) ago, on the phase
+    assert ts % limit.period == 0  # start=0: windows start on multiples of the period
+    row = RateLimit.objects.create(name=limit.name, key=encode_key("k").digest, label="k", value=0, ts=ts)
+    assert live_state(limit, State(0, ts), row.key, now).state == FULL
+    assert list(RateLimit.objects.filter(state_q([limit], FULL, now)).values_list("pk", flat=True)) == [row.pk]
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_state_filter_agrees_with_the_value_derived_now(data):
