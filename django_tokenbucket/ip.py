@@ -67,16 +67,27 @@ def parse_ip(value: str) -> IPAddress | None:
     return address
 
 
+def _is_int_in(value: object, low: int, high: float) -> bool:
+    # bool is an int subclass, and True would pass for a count of 1.
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_network(value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        return False
+    return True
+
+
 def _trusted_proxies_problem(value: object) -> str | None:
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+    if value is None or _is_int_in(value, 0, float("inf")):
         return None
     if isinstance(value, (list, tuple)):
         for cidr in value:
-            try:
-                if not isinstance(cidr, str):
-                    raise TypeError(cidr)
-                ipaddress.ip_network(cidr, strict=False)
-            except (TypeError, ValueError):
+            if not _is_network(cidr):
                 return f"TRUSTED_PROXIES lists {cidr!r}, which is not an address or a CIDR such as '10.0.0.0/8'"
         return None
     # Anything else would silently trust the wrong hop: a negative count takes the
@@ -88,7 +99,7 @@ def _trusted_proxies_problem(value: object) -> str | None:
 
 
 def _ipv6_prefix_problem(value: object) -> str | None:
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 128:
+    if _is_int_in(value, 1, 128):
         return None
     return f"IPV6_PREFIX must be a prefix length from 1 to 128 (64: one subscriber's network), not {value!r}"
 

@@ -21,6 +21,7 @@ from django.views.decorators.debug import sensitive_post_parameters
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from django_tokenbucket import Status, limiter
+from django_tokenbucket.algorithms import MICRO
 from django_tokenbucket.celery import schedule
 from django_tokenbucket.conf import tokenbucket_settings
 from django_tokenbucket.decorators import UNSAFE, ratelimit
@@ -225,7 +226,7 @@ def _limit_json(name: str) -> dict[str, Any]:
         "capacity": limit.capacity_tokens,
         "rate": limit.rate_tokens,
         "period": limit.period_seconds,
-        "max_reserved": None if limit.max_reserved is None else limit.max_reserved / 1_000_000,
+        "max_reserved": None if limit.max_reserved is None else limit.max_reserved / MICRO,
     }
 
 
