@@ -4,6 +4,10 @@ Workers are forked after the parent closes its database connections, so each ope
 own; a barrier releases them together; each reports what it saw through a queue.
 Figures are collected for the end-of-run summary (see conftest.py) and, when
 ``TOKENBUCKET_REPORT_DIR`` is set, appended there as JSON lines.
+
+Sizes: every run is small enough for CI on 2 cores (the plan's PR tier). With
+``TOKENBUCKET_NIGHTLY=1`` (``tox -m nightly``) the same tests take the plan's nightly
+sizes instead: more processes, longer runs, more keys (see ``sized``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ from django_tokenbucket.backends import get_backend
 
 #: Figures of every concurrency run in this session, for the terminal summary.
 FIGURES: list[dict[str, Any]] = []
+
+#: The plan's nightly tier (RELIABILITY-PLAN §2.0 "Tiers"), not run in CI.
+NIGHTLY = os.environ.get("TOKENBUCKET_NIGHTLY", "").lower() in ("1", "true", "yes")
+
+
+def sized(pr: Any, nightly: Any) -> Any:
+    """Return the PR-tier size, or the nightly one under ``TOKENBUCKET_NIGHTLY=1``."""
+    return nightly if NIGHTLY else pr
 
 
 def run_processes(target: Callable[..., dict[str, Any]], processes: int, *args: Any, timeout: float = 120) -> list[dict[str, Any]]:

@@ -126,6 +126,22 @@ DATABASES["unreachable"] = {
     "TEST": {"MIRROR": "default"},
 }
 
+if DB in ("postgres", "mariadb"):
+    # The same test database through tests/faultproxy.py, for faults of the network and of
+    # a stalled server (test_faults.py): the test starts a proxy and points PORT at it.
+    # Until then nothing listens on port 1. connect_timeout is what bounds a decision
+    # against a server that accepts and never answers (PostgreSQL's minimum is 2 s).
+    DATABASES["proxied"] = {
+        **DATABASES["default"],
+        "PORT": "1",
+        "OPTIONS": {**DATABASES["default"].get("OPTIONS", {}), "connect_timeout": 2},
+        "TEST": {"MIRROR": "default"},
+    }
+    if DB == "mariadb":
+        # A connection already open whose server stops answering: only a client-side read
+        # timeout ends the wait (psycopg has none; see docs/reliability.md, F2).
+        DATABASES["proxied"]["OPTIONS"].update(read_timeout=2, write_timeout=2)
+
 TOKENBUCKET = {
     "LIMITS": {
         "ten_per_minute": {"kind": "token bucket", "rate": 10, "period": 60},
