@@ -98,7 +98,7 @@ class Limiter:
         ``status.retry_after`` says when they exist. With ``throws=True`` a denial
         raises RateLimited instead of returning ``ok=False``.
         """
-        return self._run([LimitRequest(name, key, count, reserve, config)], apply=True, throws=throws)[0]
+        return self._run_one(name, key, count, reserve, config, apply=True, throws=throws)
 
     def check(
         self,
@@ -110,7 +110,7 @@ class Limiter:
         config: ConfigSpec | None = None,
     ) -> Status:
         """Return what ``limit()`` would return with the same arguments, changing nothing."""
-        return self._run([LimitRequest(name, key, count, reserve, config)], apply=False, throws=throws)[0]
+        return self._run_one(name, key, count, reserve, config, apply=False, throws=throws)
 
     def limit_many(
         self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
@@ -200,6 +200,38 @@ class Limiter:
         except TypeError as exc:
             raise ValueError(f"rate limit {limit.name!r}: {exc}") from None
 
+    def _run_one(
+        self,
+        name: str,
+        key: object,
+        count: int | float,
+        reserve: bool,
+        config: ConfigSpec | None,
+        *,
+        apply: bool,
+        throws: bool,
+    ) -> Status:
+        """What ``_run`` does for one limit, without the lists and groups of several.
+
+        One limit is one group (enforced or shadowed alike), applied as asked, and its
+        MultiStatus would say what its only Status says.
+        """
+        if not isinstance(reserve, bool):
+            raise ValueError(f"rate limit {name!r}: reserve must be a bool, not {reserve!r}")
+        limit = self.resolve(name, config)
+        micro = limit.validate_count(count, reserve)
+        request = Request(limit, self._encode(limit, key), micro, reserve)
+        outcome = self._backend_call(limit, [request], apply=apply)
+        if outcome is None:
+            status = self._failed_open(limit, key, count)
+        else:
+            status = self._status(limit, key, micro, outcome.decisions[0], outcome.now)
+        if apply:
+            self._report_one(status, status.ok)
+        if throws and not status.ok:
+            raise RateLimited(status.name, status.key, status.retry_after, status)
+        return status
+
     def _run(self, items: list[LimitRequest], *, apply: bool, throws: bool) -> MultiStatus:
         if not items:
             raise ValueError("no rate limits given")
@@ -227,7 +259,7 @@ class Limiter:
             outcome = self._backend_call(limits[group[0]], group_requests, apply=group_apply)
             for position, i in enumerate(group):
                 if outcome is None:
-                    statuses[i] = self._failed_open(limits[i], items[i])
+                    statuses[i] = self._failed_open(limits[i], items[i].key, items[i].count)
                 else:
                     statuses[i] = self._status(
                         limits[i], items[i].key, requests[i].count, outcome.decisions[position], outcome.now
@@ -240,43 +272,51 @@ class Limiter:
             raise RateLimited(denied.name, denied.key, result.retry_after, denied)
         return result
 
-    @staticmethod
-    def _report(result: MultiStatus) -> None:
+    @classmethod
+    def _report(cls, result: MultiStatus) -> None:
+        all_ok = result.ok
         for status in result:
-            if status.ok and not status.would_deny:
-                # A call denied by another of its limits consumed nothing here either:
-                # there is no allowance to report (all-or-nothing).
-                if result.ok and signals.rate_limit_allowed.has_listeners():
-                    signals.rate_limit_allowed.send(
-                        sender=Limiter, name=status.name, key=status.key, count=status.count, status=status
-                    )
-                continue
-            if status.would_deny:
-                logger.info(
-                    "rate limit %r (shadow mode) would have denied key %s: retry after %s s",
-                    status.name,
-                    encode_key(status.key).digest[:12],
-                    status.retry_after,
+            cls._report_one(status, all_ok)
+
+    @staticmethod
+    def _report_one(status: Status, all_ok: bool) -> None:
+        """Log and signal one status of a call whose statuses are all ok when ``all_ok``."""
+        if status.ok and not status.would_deny:
+            # A call denied by another of its limits consumed nothing here either:
+            # there is no allowance to report (all-or-nothing).
+            # ``receivers`` first, as Signal.send does: has_listeners() costs more than
+            # the rest of this method, and most sites connect nothing.
+            if all_ok and signals.rate_limit_allowed.receivers and signals.rate_limit_allowed.has_listeners():
+                signals.rate_limit_allowed.send(
+                    sender=Limiter, name=status.name, key=status.key, count=status.count, status=status
                 )
-            if signals.rate_limit_denied.has_listeners():
-                signals.rate_limit_denied.send(
-                    sender=Limiter,
-                    name=status.name,
-                    key=status.key,
-                    count=status.count,
-                    status=status,
-                    shadow=status.would_deny,
-                )
+            return
+        if status.would_deny:
+            logger.info(
+                "rate limit %r (shadow mode) would have denied key %s: retry after %s s",
+                status.name,
+                encode_key(status.key).digest[:12],
+                status.retry_after,
+            )
+        if signals.rate_limit_denied.receivers and signals.rate_limit_denied.has_listeners():
+            signals.rate_limit_denied.send(
+                sender=Limiter,
+                name=status.name,
+                key=status.key,
+                count=status.count,
+                status=status,
+                shadow=status.would_deny,
+            )
 
     def _backend_call(
         self, limit: LimitConfig, requests: list[Request], *, apply: bool, fail_open: bool | None = None
     ) -> Outcome | None:
         """Run the backend; on a store failure return None (fail open) or raise BackendUnavailable."""
-        if fail_open is None:
-            fail_open = bool(tokenbucket_settings.FAIL_OPEN)
         try:
             return get_backend().decide(requests, apply=apply)
         except BackendError as exc:
+            if fail_open is None:
+                fail_open = bool(tokenbucket_settings.FAIL_OPEN)
             names = ", ".join(repr(r.config.name) for r in requests)
             if signals.rate_limit_backend_error.has_listeners():
                 signals.rate_limit_backend_error.send(
@@ -307,29 +347,30 @@ class Limiter:
 
     @staticmethod
     def _status(limit: LimitConfig, key: object, count: int, decision: Decision, now: int) -> Status:
-        return Status(
-            ok=decision.allowed or limit.shadow,
-            shadow=limit.shadow,
-            would_deny=limit.shadow and not decision.allowed,
+        shadow = limit.shadow
+        return Status._decided(
+            ok=decision.allowed or shadow,
             name=limit.name,
             key=key,
             count=count / MICRO,
             value=decision.value / MICRO,
             retry_after=None if decision.retry_after is None else decision.retry_after / MICRO,
             reset_after=decision.full_after / MICRO,
-            capacity=limit.capacity_tokens,
-            rate=limit.rate_tokens,
-            period=limit.period_seconds,
+            capacity=limit.capacity / MICRO,
+            rate=limit.rate / MICRO,
+            period=limit.period / MICRO,
             timestamp=now / MICRO,
+            shadow=shadow,
+            would_deny=shadow and not decision.allowed,
         )
 
     @staticmethod
-    def _failed_open(limit: LimitConfig, item: LimitRequest) -> Status:
+    def _failed_open(limit: LimitConfig, key: object, count: int | float) -> Status:
         return Status(
             ok=True,
             name=limit.name,
-            key=item.key,
-            count=float(item.count),
+            key=key,
+            count=float(count),
             value=None,
             retry_after=None,
             reset_after=None,

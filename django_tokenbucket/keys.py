@@ -54,6 +54,10 @@ def _encode(key: object, out: bytearray) -> None:
 
 def _label(key: object) -> str:
     text = key if isinstance(key, str) else ("" if key is None else repr(key))
+    head = text[:LABEL_LENGTH]
+    if head.isprintable():
+        # Nothing to escape, as for most keys: skip the per-character pass below.
+        return head
     # Stored labels must survive every database's text type: escaping what is not
     # printable removes NUL and lone surrogates (category Cs) alike.
     safe = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:LABEL_LENGTH])
@@ -62,6 +66,10 @@ def _label(key: object) -> str:
 
 def encode_key(key: object) -> EncodedKey:
     """Return the digest stored for ``key`` and a short printable label of it."""
+    if type(key) is str:
+        # The usual key, encoded exactly as _encode does, without its type dispatch.
+        data = key.encode("utf-8", "surrogatepass")
+        return EncodedKey(hashlib.sha256(b"s%d:%s" % (len(data), data)).hexdigest(), _label(key))
     out = bytearray()
     _encode(key, out)
     return EncodedKey(hashlib.sha256(out).hexdigest(), _label(key))

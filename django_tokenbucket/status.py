@@ -39,6 +39,48 @@ class Status:
     #: ...and this is True when it would have denied the call.
     would_deny: bool = False
 
+    @classmethod
+    def _decided(
+        cls,
+        ok: bool,
+        name: str,
+        key: object,
+        count: float,
+        value: float,
+        retry_after: float | None,
+        reset_after: float,
+        capacity: float,
+        rate: float,
+        period: float,
+        timestamp: float,
+        shadow: bool,
+        would_deny: bool,
+    ) -> Status:
+        """Return the Status of a decision, as ``Status(...)`` would make it, only faster.
+
+        Every decision makes one, and the __init__ of a frozen dataclass sets each of the
+        14 fields through ``object.__setattr__``: filling ``__dict__`` at once costs a
+        third as much. tests/test_fast_path.py keeps the two equal.
+        """
+        status = object.__new__(cls)
+        status.__dict__.update(
+            ok=ok,
+            name=name,
+            key=key,
+            count=count,
+            value=value,
+            retry_after=retry_after,
+            reset_after=reset_after,
+            capacity=capacity,
+            rate=rate,
+            period=period,
+            timestamp=timestamp,
+            failed_open=False,
+            shadow=shadow,
+            would_deny=would_deny,
+        )
+        return status
+
     @property
     def remaining(self) -> int:
         """Return the whole tokens left (never negative), as RateLimit headers show them."""

@@ -24,7 +24,7 @@ from django_tokenbucket.backends.redis import RedisBackend
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.testing import frozen_clock
 
-from .concurrency import hammer, run_processes, summarise
+from .concurrency import hammer, run_processes, sized, summarise
 from .redis_servers import LocalCluster, keys_without_ttl
 from .settings import TOKENBUCKET as BASE_SETTINGS
 from .test_conformance import *  # noqa: F403  (the conformance suite, run here on the cluster)
@@ -113,7 +113,7 @@ def test_no_key_is_left_without_a_ttl(cluster, redis_backend):
     assert sum(immortal for _, immortal in counts) == 0
 
 
-PROCESSES = 6
+PROCESSES = sized(6, 32)
 
 
 @pytest.mark.concurrency
@@ -130,10 +130,10 @@ def test_h1_exact_on_the_cluster(cluster, redis_backend):
 
 @pytest.mark.concurrency
 def test_h2_bound_on_the_cluster(cluster, redis_backend):
-    capacity, rate = 20, 10
+    capacity, rate, duration = sized(20, 100), 10, sized(3.0, 20.0)
     config = {"rate": rate, "period": 1, "capacity": capacity}
     call = partial(limiter.limit, "h2", "hot", config=config)
-    results = run_processes(hammer, PROCESSES, call, None, 3.0)
+    results = run_processes(hammer, PROCESSES, call, None, duration)
     figures = summarise(results, case="H2", backend="redis-cluster (3 masters + 3 replicas)", C=capacity, r=rate)
     bound = capacity + rate * figures["store_clock_span_s"]
     figures.update(bound=round(bound, 3), excess=round(figures["admitted"] - bound, 3))

@@ -21,13 +21,16 @@ import hashlib
 import re
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from importlib import resources
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.core.cache import caches
+from django.core.cache.backends.base import default_key_func
 from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 
 try:
     from django_redis import get_redis_connection
@@ -63,6 +66,44 @@ PINNED_CLOCK_MIN_TTL_MS = 3_600_000
 _OPTIONS = {"CACHE"}
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _FIELDS = 6
+#: The script's first argument when the store's clock applies, by ``apply``.
+_STORE_CLOCK_HEADERS = {True: f"- 1 {MIN_TTL_MS} {MAX_TTL_MS}", False: f"- 0 {MIN_TTL_MS} {MAX_TTL_MS}"}
+#: Limits whose arguments a backend keeps formatted.
+_LIMITS_CACHE_SIZE = 4096
+
+#: Bumped whenever CACHES changes, so that every backend reloads its client and key prefix.
+_caches_generation = 0
+
+
+@receiver(setting_changed)
+def _caches_changed(*, setting: str, **kwargs: Any) -> None:
+    global _caches_generation
+    if setting == "CACHES":
+        _caches_generation += 1
+
+
+class _Connection(NamedTuple):
+    """What a backend reuses between decisions until CACHES changes."""
+
+    generation: int
+    client: Any
+    #: ``KEY_PREFIX:VERSION:`` when the cache uses Django's default key function, else None.
+    prefix: str | None
+    make_key: Callable[[str], Any]
+
+
+class _Limit(NamedTuple):
+    """What every decision on one limit sends, formatted once."""
+
+    config: LimitConfig
+    #: The start of its state keys, up to the hash tag.
+    key_head: str
+    #: "<kind> <rate> <period> <capacity> <lowest> <fresh value>" of the script's
+    #: request argument, without and with ``reserve``.
+    plain: str
+    reserve: str
+    #: The fresh ts when it does not depend on the key (all but unanchored fixed windows).
+    fresh_ts: str | None
 
 
 def state_key(config: LimitConfig, key: EncodedKey) -> str:
@@ -72,11 +113,19 @@ def state_key(config: LimitConfig, key: EncodedKey) -> str:
     other name is replaced by ``~`` and its SHA-256, so keys stay short, free of
     braces, and distinct for distinct names. The hash tag is the key's digest.
     """
+    return _state_key(_key_head(config), key)
+
+
+def _key_head(config: LimitConfig) -> str:
     name = config.name
     if not _PLAIN_NAME.fullmatch(name):
         name = "~" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"tokenbucket:{name}:"
+
+
+def _state_key(head: str, key: EncodedKey) -> str:
     digest = key.digest
-    return f"tokenbucket:{name}:{{{digest[:16]}}}{digest[16:]}"
+    return f"{head}{{{digest[:16]}}}{digest[16:]}"
 
 
 class RedisBackend(BaseBackend):
@@ -101,6 +150,9 @@ class RedisBackend(BaseBackend):
         self.cache_alias: str = alias
         self._script: Script | None = None
         self._script_lock = threading.Lock()
+        self._connection: _Connection | None = None
+        #: id(config) -> what it sends; the config is held, so its id cannot be reused.
+        self._limits: dict[int, _Limit] = {}
         #: Figures for tests and operations: store failures by exception class, and
         #: how often the script had to be sent again (NOSCRIPT).
         self.errors: Counter[str] = Counter()
@@ -110,13 +162,7 @@ class RedisBackend(BaseBackend):
 
     def client(self) -> Any:
         """Return the raw redis-py client of the cache (``Redis`` or ``RedisCluster``)."""
-        try:
-            return get_redis_connection(self.cache_alias, write=True)
-        except NotImplementedError:
-            raise ImproperlyConfigured(
-                f"the Redis backend needs a django-redis cache, and CACHES[{self.cache_alias!r}] is not one "
-                f"(set its BACKEND to 'django_redis.cache.RedisCache')"
-            ) from None
+        return self._connect().client
 
     def key(self, config: LimitConfig, key: EncodedKey) -> str:
         """Return the Redis key that holds the state of ``config`` for ``key``."""
@@ -125,26 +171,35 @@ class RedisBackend(BaseBackend):
     # -- BaseBackend ----------------------------------------------------------------------
 
     def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
-        keys: list[str] = []
-        index: dict[RowId, int] = {}
         override = clock.override()
         if override is not None:
-            now, min_ttl = str(override), PINNED_CLOCK_MIN_TTL_MS
+            header = f"{override} {int(apply)} {PINNED_CLOCK_MIN_TTL_MS} {MAX_TTL_MS}"
         elif tokenbucket_settings.CLOCK == "app":
-            now, min_ttl = str(clock.app_now()), MIN_TTL_MS
+            header = f"{clock.app_now()} {int(apply)} {MIN_TTL_MS} {MAX_TTL_MS}"
         else:
-            now, min_ttl = "", MIN_TTL_MS
-        argv = [now, "1" if apply else "0", str(min_ttl), str(MAX_TTL_MS), str(len(requests))]
-        for request in requests:
-            rid = row_id(request)
-            if rid not in index:
-                keys.append(self.key(request.config, request.key))
-                index[rid] = len(keys)
-            argv += self._request_arguments(request, index[rid])
+            header = _STORE_CLOCK_HEADERS[apply]
         try:
-            client = self.client()
-            self._check_slots(client, keys, requests)
-            reply = self._run(client, keys, argv)
+            # Inside the try: a cluster client discovers its nodes when it is made.
+            connection = self._connect()
+            if len(requests) == 1:
+                # The common call, without the bookkeeping of shared rows.
+                request = requests[0]
+                limit = self._limit(request.config)
+                keys = [self._key(connection, limit, request.key)]
+                argv = [header, self._request_argument(limit, request, 1)]
+            else:
+                keys = []
+                argv = [header]
+                index: dict[RowId, int] = {}
+                for request in requests:
+                    limit = self._limit(request.config)
+                    rid = row_id(request)
+                    if rid not in index:
+                        keys.append(self._key(connection, limit, request.key))
+                        index[rid] = len(keys)
+                    argv.append(self._request_argument(limit, request, index[rid]))
+                self._check_slots(connection.client, keys, requests)
+            reply = self._run(connection.client, keys, argv)
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc) from exc
         return self._outcome(reply, len(requests))
@@ -176,27 +231,62 @@ class RedisBackend(BaseBackend):
         self.errors[type(exc).__name__] += 1
         return BackendError(f"{type(exc).__name__}: {exc}")
 
+    def _connect(self) -> _Connection:
+        """Return the client and key prefix of the cache, loaded again after CACHES changed.
+
+        django-redis would look the cache up (a thread-local) and its client on every
+        call; its connection pools are process-wide anyway, so one client serves all
+        threads, as ``get_redis_connection`` would hand out the same pool.
+        """
+        connection = self._connection
+        if connection is not None and connection.generation == _caches_generation:
+            return connection
+        generation = _caches_generation
+        try:
+            client = get_redis_connection(self.cache_alias, write=True)
+        except NotImplementedError:
+            raise ImproperlyConfigured(
+                f"the Redis backend needs a django-redis cache, and CACHES[{self.cache_alias!r}] is not one "
+                f"(set its BACKEND to 'django_redis.cache.RedisCache')"
+            ) from None
+        cache = caches[self.cache_alias]
+        prefix = f"{cache.key_prefix}:{cache.version}:" if cache.key_func is default_key_func else None
+        connection = self._connection = _Connection(generation, client, prefix, cache.make_key)
+        return connection
+
     @staticmethod
-    def _request_arguments(request: Request, key_index: int) -> list[str]:
-        config = request.config
-        if not request.reserve:
-            lowest = "0"
-        elif config.max_reserved is None:
-            lowest = ""
-        else:
-            lowest = str(-config.max_reserved)
-        fresh = config.fresh_state(request.key.digest)
-        return [
-            str(key_index),
-            "f" if config.kind == FIXED_WINDOW else "t",
-            str(config.rate),
-            str(config.period),
-            str(config.capacity),
-            lowest,
-            str(request.count),
-            str(fresh.value),
-            str(fresh.ts),
-        ]
+    def _key(connection: _Connection, limit: _Limit, key: EncodedKey) -> str:
+        if connection.prefix is not None:
+            # What default_key_func makes of it, without the cache lookup per call.
+            return connection.prefix + _state_key(limit.key_head, key)
+        return str(connection.make_key(_state_key(limit.key_head, key)))
+
+    def _limit(self, config: LimitConfig) -> _Limit:
+        """Return what decisions on ``config`` send, formatted on its first decision only."""
+        limit = self._limits.get(id(config))
+        if limit is not None and limit.config is config:
+            return limit
+        head = f"{'f' if config.kind == FIXED_WINDOW else 't'} {config.rate} {config.period} {config.capacity}"
+        uncapped = "-" if config.max_reserved is None else str(-config.max_reserved)
+        # A fresh state's value is the capacity and, but for fixed windows without a
+        # start, its ts is the same for every key.
+        fresh = config.fresh_state("")
+        fresh_ts = None if config.kind == FIXED_WINDOW and config.start is None else str(fresh.ts)
+        limit = _Limit(
+            config, _key_head(config), f"{head} 0 {fresh.value}", f"{head} {uncapped} {fresh.value}", fresh_ts
+        )
+        if len(self._limits) >= _LIMITS_CACHE_SIZE:
+            # Inline configs may be made per call: start over rather than grow.
+            self._limits.clear()
+        self._limits[id(config)] = limit
+        return limit
+
+    @staticmethod
+    def _request_argument(limit: _Limit, request: Request, key_index: int) -> str:
+        fresh_ts = limit.fresh_ts
+        if fresh_ts is None:
+            fresh_ts = str(limit.config.fresh_state(request.key.digest).ts)
+        return f"{key_index} {request.count} {limit.reserve if request.reserve else limit.plain} {fresh_ts}"
 
     @staticmethod
     def _check_slots(client: Any, keys: list[str], requests: Sequence[Request]) -> None:
@@ -219,31 +309,36 @@ class RedisBackend(BaseBackend):
                     self._script = client.register_script(SCRIPT)
                 script = self._script
         assert script is not None
+        # execute_command rather than evalsha(): the same command, without redis-py's
+        # per-call argument-deprecation wrapper.
         try:
-            return client.evalsha(script.sha, len(keys), *keys, *argv)
+            return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *argv)
         except NoScriptError:
             self.script_reloads += 1
             # A flush, restart or failover emptied the script cache. EVAL runs the
             # script and caches it again in one round trip, on whichever node owns the slot.
-            return client.eval(SCRIPT, len(keys), *keys, *argv)
+            return client.execute_command("EVAL", SCRIPT, len(keys), *keys, *argv)
 
     @staticmethod
-    def _outcome(reply: Sequence[Any], count: int) -> Outcome:
-        if len(reply) != 1 + _FIELDS * count:
+    def _outcome(reply: Any, count: int) -> Outcome:
+        if isinstance(reply, bytes):
+            reply = reply.decode("ascii", "replace")
+        fields: list[str] = reply.split(" ") if isinstance(reply, str) else []
+        if len(fields) != 1 + _FIELDS * count:
             raise BackendError(f"unexpected reply from the decision script: {reply!r}")
         decisions = []
-        for start in range(1, len(reply), _FIELDS):
-            allowed, value, retry_after, full_after, state_value, state_ts = reply[start : start + _FIELDS]
+        for start in range(1, len(fields), _FIELDS):
+            allowed, value, retry_after, full_after, state_value, state_ts = fields[start : start + _FIELDS]
             decisions.append(
                 Decision(
-                    allowed=allowed in (b"1", "1"),
-                    value=int(value),
-                    retry_after=int(retry_after) if retry_after else None,
-                    full_after=int(full_after),
-                    state=State(int(state_value), int(state_ts)) if state_value else None,
+                    allowed == "1",
+                    int(value),
+                    None if retry_after == "-" else int(retry_after),
+                    int(full_after),
+                    None if state_value == "-" else State(int(state_value), int(state_ts)),
                 )
             )
-        return Outcome(decisions, int(reply[0]))
+        return Outcome(decisions, int(fields[0]))
 
 
 class ClusterConnectionFactory(ConnectionFactory):  # type: ignore[misc]

@@ -9,13 +9,17 @@
 -- Python and requires identical decisions, values, waits and stored states.
 --
 -- KEYS: the state key of every distinct (name, key) row of the call.
--- ARGV: now (microseconds; "" = Redis TIME), apply ("1" consume, "0" only read),
---       min_ttl_ms, max_ttl_ms, n, then n requests of 9 fields each:
---       key index, kind ("t" token bucket, "f" fixed window), rate, period, capacity,
---       lowest ("" = reservations uncapped), count, fresh value, fresh ts.
+-- ARGV[1]: "<now> <apply> <min_ttl_ms> <max_ttl_ms>": now in microseconds ("-" = Redis
+--          TIME), apply "1" to consume or "0" only to read.
+-- ARGV[2..n+1]: one request each, "<key index> <count> <kind> <rate> <period> <capacity>
+--          <lowest> <fresh value> <fresh ts>": kind "t" token bucket or "f" fixed window,
+--          lowest "-" when reservations are uncapped.
 -- Stored value: "<value> <ts>" (decimal integers), with a TTL.
--- Reply: now, then for each request: allowed ("1"/"0"), value, retry_after ("" = None),
---        full_after, state value and state ts ("" = no state to store).
+-- Reply: one string, "<now>" then for each request " <allowed> <value> <retry_after>
+--        <full_after> <state value> <state ts>": allowed "1"/"0", "-" for a None
+--        retry_after and for no state to store.
+-- One argument per request and a one-string reply: redis-py packs every argument and
+-- parses every reply element in Python, at a few microseconds each.
 
 local B = 16777216                   -- 2^24: limb base of the bignums
 local LIMIT = 9007199254740992       -- 2^53: plain numbers hold |x| <= LIMIT exactly
@@ -235,9 +239,11 @@ local function prod_ge(a, b, c, d)
 end
 
 local function parse(s)
-  -- tonumber rounds correctly and monotonically: a result below 2^53 is exact.
+  -- tonumber rounds correctly and monotonically: a result below 2^53 is exact, and
+  -- 2^53 itself (the TTL cap, sent on every call) is when it prints back unchanged.
   local n = tonumber(s)
   if n and n < LIMIT and n > -LIMIT then return n end
+  if (n == LIMIT or n == -LIMIT) and string.format("%.0f", n) == s then return n end
   local negative, digits = string.match(s, "^(%-?)(%d+)$")
   if not digits then return error("django_tokenbucket: not an integer: " .. tostring(s)) end
   local x = 0
@@ -270,6 +276,14 @@ end
 
 -- The algorithms: see algorithms.py for the reasoning behind each step.
 
+-- When the value reaches ``target`` refilling from ``from_value`` at ``from_ts``, relative to now.
+-- (Top-level functions rather than closures inside the algorithms: one closure fewer to
+-- make and collect per decision.)
+local function bucket_time_to_reach(L, now, target, from_value, from_ts)
+  if cmp(from_value, target) >= 0 then return 0 end
+  return sub(add(from_ts, ceildiv(mul(sub(target, from_value), L.period), L.rate)), now)
+end
+
 local function token_bucket(value, ts, now, count, lowest, L)
   local back = cmp(now, ts) < 0
   local since = back and now or ts
@@ -288,21 +302,22 @@ local function token_bucket(value, ts, now, count, lowest, L)
     vts = sub(now, floordiv(rest, L.rate))
   end
 
-  local function time_to_reach(target, from_value, from_ts)
-    if cmp(from_value, target) >= 0 then return 0 end
-    return sub(add(from_ts, ceildiv(mul(sub(target, from_value), L.period), L.rate)), now)
-  end
-
   local after = sub(v, count)
   if lowest == nil or cmp(after, lowest) >= 0 then
     local retry = nil
-    if cmp(after, 0) < 0 then retry = time_to_reach(0, after, vts) end
-    return { true, after, retry, time_to_reach(capacity, after, vts), after, vts }
+    if cmp(after, 0) < 0 then retry = bucket_time_to_reach(L, now, 0, after, vts) end
+    return { true, after, retry, bucket_time_to_reach(L, now, capacity, after, vts), after, vts }
   end
-  local retry = time_to_reach(add(count, lowest), stored, since)
-  local full = time_to_reach(capacity, stored, since)
+  local retry = bucket_time_to_reach(L, now, add(count, lowest), stored, since)
+  local full = bucket_time_to_reach(L, now, capacity, stored, since)
   if back then return { false, v, retry, full, stored, now } end
   return { false, v, retry, full }
+end
+
+-- When the value reaches ``target`` from ``from_value``, one rate per window from window_start.
+local function window_time_to_reach(L, now, window_start, target, from_value)
+  if cmp(from_value, target) >= 0 then return 0 end
+  return sub(add(window_start, mul(ceildiv(sub(target, from_value), L.rate), L.period)), now)
 end
 
 local function fixed_window(value, ts, now, count, lowest, L)
@@ -321,19 +336,14 @@ local function fixed_window(value, ts, now, count, lowest, L)
     v = add(value, mul(windows, L.rate))
   end
 
-  local function time_to_reach(target, from_value)
-    if cmp(from_value, target) >= 0 then return 0 end
-    return sub(add(window_start, mul(ceildiv(sub(target, from_value), L.rate), L.period)), now)
-  end
-
   local after = sub(v, count)
   if lowest == nil or cmp(after, lowest) >= 0 then
     local retry = nil
-    if cmp(after, 0) < 0 then retry = time_to_reach(0, after) end
-    return { true, after, retry, time_to_reach(capacity, after), after, window_start }
+    if cmp(after, 0) < 0 then retry = window_time_to_reach(L, now, window_start, 0, after) end
+    return { true, after, retry, window_time_to_reach(L, now, window_start, capacity, after), after, window_start }
   end
-  local retry = time_to_reach(add(count, lowest), v)
-  local full = time_to_reach(capacity, v)
+  local retry = window_time_to_reach(L, now, window_start, add(count, lowest), v)
+  local full = window_time_to_reach(L, now, window_start, capacity, v)
   if back then
     local kept = value
     if cmp(kept, capacity) > 0 then kept = capacity end
@@ -344,17 +354,23 @@ end
 
 -- decide_all: every request against the state as left by the ones before it.
 
+local function malformed(what, arg)
+  return redis.error_reply("django_tokenbucket: malformed " .. what .. ": " .. tostring(arg))
+end
+
+local now_arg, apply_arg, min_ttl_arg, max_ttl_arg = string.match(ARGV[1] or "", "^(%S+) ([01]) (%S+) (%S+)$")
+if not now_arg then return malformed("header", ARGV[1]) end
 local now
-if ARGV[1] ~= "" then
-  now = parse(ARGV[1])
+if now_arg ~= "-" then
+  now = parse(now_arg)
 else
   local t = redis.call("TIME")
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
-local apply = ARGV[2] == "1"
-local min_ttl_ms = parse(ARGV[3])
-local max_ttl_ms = parse(ARGV[4])
-local n = tonumber(ARGV[5])
+local apply = apply_arg == "1"
+local min_ttl_ms = parse(min_ttl_arg)
+local max_ttl_ms = parse(max_ttl_arg)
+local n = #ARGV - 1
 
 local loaded = {}
 for k = 1, #KEYS do
@@ -366,28 +382,30 @@ for k = 1, #KEYS do
   end
 end
 
+local REQUEST = "^(%d+) (%S+) ([tf]) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$"
 local requests = {}
 for i = 1, n do
-  local o = 5 + (i - 1) * 9
-  local lowest = nil
-  if ARGV[o + 6] ~= "" then lowest = parse(ARGV[o + 6]) end
+  local key, count, kind, rate, period, capacity, lowest, fresh_value, fresh_ts = string.match(ARGV[i + 1], REQUEST)
+  if not key then return malformed("request", ARGV[i + 1]) end
+  -- One table per request, which is also the limit its algorithm reads (fewer tables
+  -- to make and collect on every call).
   requests[i] = {
-    key = tonumber(ARGV[o + 1]),
-    algorithm = ARGV[o + 2] == "f" and fixed_window or token_bucket,
+    key = tonumber(key),
+    algorithm = kind == "f" and fixed_window or token_bucket,
+    rate = parse(rate),
+    period = parse(period),
+    capacity = parse(capacity),
     -- A fresh fixed window starts on its phase, so its fresh ts is the phase of the windows.
-    limit = {
-      rate = parse(ARGV[o + 3]), period = parse(ARGV[o + 4]), capacity = parse(ARGV[o + 5]),
-      phase = parse(ARGV[o + 9]),
-    },
-    lowest = lowest,
-    count = parse(ARGV[o + 7]),
-    fresh = { parse(ARGV[o + 8]), parse(ARGV[o + 9]) },
+    phase = parse(fresh_ts),
+    fresh_value = parse(fresh_value),
+    lowest = lowest ~= "-" and parse(lowest) or nil,
+    count = parse(count),
   }
 end
 
 local function decide(request, state, count, lowest)
-  state = state or request.fresh
-  return request.algorithm(state[1], state[2], now, count, lowest, request.limit)
+  if state then return request.algorithm(state[1], state[2], now, count, lowest, request) end
+  return request.algorithm(request.fresh_value, request.phase, now, count, lowest, request)
 end
 
 local current, full_after = {}, {}
@@ -438,12 +456,7 @@ end
 local reply = { tostr(now) }
 for i = 1, n do
   local d = decisions[i]
-  local m = #reply
-  reply[m + 1] = d[1] and "1" or "0"
-  reply[m + 2] = tostr(d[2])
-  reply[m + 3] = d[3] ~= nil and tostr(d[3]) or ""
-  reply[m + 4] = tostr(d[4])
-  reply[m + 5] = d[5] ~= nil and tostr(d[5]) or ""
-  reply[m + 6] = d[5] ~= nil and tostr(d[6]) or ""
+  reply[i + 1] = (d[1] and "1 " or "0 ") .. tostr(d[2]) .. " " .. (d[3] ~= nil and tostr(d[3]) or "-") .. " "
+    .. tostr(d[4]) .. " " .. (d[5] ~= nil and tostr(d[5]) .. " " .. tostr(d[6]) or "- -")
 end
-return reply
+return table.concat(reply, " ")
