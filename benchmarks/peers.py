@@ -177,15 +177,35 @@ class _Ours(Adapter):
 
 
 class OursDatabase(_Ours):
-    """The database backend's portable path (select_for_update). A PostgreSQL one-round-trip
-    fast path will be another adapter next to this one."""
+    """The database backend as configured by default: on PostgreSQL, its fast path (one
+    statement per decision)."""
 
     name, store = "tokenbucket db", "postgresql"
+    options: dict[str, Any] = {}
+    #: Keys of another adapter's rows in the same table.
+    key_prefix = ""
 
     def make_backend(self) -> Any:
         from django_tokenbucket.backends.database import DatabaseBackend
 
-        return DatabaseBackend({})
+        return DatabaseBackend(self.options)
+
+    def decide(self, key: str) -> bool:
+        return super().decide(self.key_prefix + key)
+
+
+class OursDatabasePortable(OursDatabase):
+    """The portable path (``select_for_update`` in a transaction), used inside the caller's
+    transaction and on other databases: ``FAST_PATH = False``."""
+
+    name, options, key_prefix = "tokenbucket db portable", {"FAST_PATH": False}, "portable:"
+
+
+class OursDatabaseAsyncCommit(OursDatabase):
+    """The fast path with ``ASYNC_COMMIT``: commits do not wait for the WAL flush (a
+    database crash may lose the last fraction of a second of consumption)."""
+
+    name, options, key_prefix = "tokenbucket db async commit", {"ASYNC_COMMIT": True}, "async:"
 
 
 class OursRedis(_Ours):
@@ -196,23 +216,6 @@ class OursRedis(_Ours):
         from django_tokenbucket.backends.redis import RedisBackend
 
         return RedisBackend({"CACHE": "default"})
-
-
-class OursDatabaseAsyncCommit(OursDatabase):
-    """What-if, not a product setting: the same backend on a connection with
-    ``synchronous_commit = off`` (a crash may lose the last few ms of consumption; the
-    row lock is released without waiting for the WAL flush)."""
-
-    name, family = "tokenbucket db, async commit", "what-if"
-
-    def make_backend(self) -> Any:
-        from django_tokenbucket.backends.database import DatabaseBackend
-
-        return DatabaseBackend({"DATABASE": "async_commit"})
-
-    def decide(self, key: str) -> bool:
-        # Same table as the other database adapter: keep its rows apart.
-        return super().decide(f"async:{key}")
 
 
 class TextbookORM(Adapter):
@@ -326,6 +329,7 @@ ADAPTERS: list[type[Adapter]] = [
     SelectOne,
     UpdateOne,
     OursDatabase,
+    OursDatabasePortable,
     OursDatabaseAsyncCommit,
     TextbookORM,
     Ping,

@@ -36,14 +36,6 @@ DATABASES = {
         "CONN_MAX_AGE": None,
     }
 }
-# The same database on a connection that does not wait for the WAL flush at commit: a
-# what-if adapter shows what durability costs a hot key (not a recommendation).
-DATABASES["async_commit"] = {
-    **DATABASES["default"],
-    "OPTIONS": {"options": "-c synchronous_commit=off"},
-    "TEST": {"MIRROR": "default"},
-}
-
 REDIS_HOST = os.environ.get("REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("REDIS_PORT", "6379"))
 REDIS_DB = int(os.environ.get("TOKENBUCKET_BENCH_REDIS_DB", "14"))

@@ -23,6 +23,7 @@ __all__ = [
     "fixed_window_refund",
     "fresh_fixed_window",
     "fresh_token_bucket",
+    "lowest_value",
     "token_bucket",
     "token_bucket_refund",
 ]
@@ -65,7 +66,7 @@ def _ceil_div(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
 
 
-def _lowest_value(reserve: bool, max_reserved: int | None) -> int | None:
+def lowest_value(reserve: bool, max_reserved: int | None) -> int | None:
     """Return how low a call may take the value, or None when reservations are uncapped."""
     if not reserve:
         return 0
@@ -127,7 +128,7 @@ def token_bucket(
             return 0
         return from_ts + _ceil_div((target - from_value) * period, rate) - now
 
-    lowest = _lowest_value(reserve, max_reserved)
+    lowest = lowest_value(reserve, max_reserved)
     after = value - count
     if lowest is None or after >= lowest:
         return Decision(
@@ -184,7 +185,7 @@ def fixed_window(
             return 0
         return window_start + _ceil_div(target - from_value, rate) * period - now
 
-    lowest = _lowest_value(reserve, max_reserved)
+    lowest = lowest_value(reserve, max_reserved)
     after = value - count
     if lowest is None or after >= lowest:
         return Decision(

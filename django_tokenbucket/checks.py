@@ -163,16 +163,15 @@ def _check_backend(user: dict[str, Any]) -> list[checks.CheckMessage]:
 
 
 @checks.register()
-def check_database(
-    app_configs: Any = None, databases: Any = None, **kwargs: Any
-) -> list[checks.CheckMessage]:
-    """Warn when the database backend would run on SQLite without IMMEDIATE transactions.
+def check_database(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Check the database backend's options, and warn on SQLite without IMMEDIATE transactions.
 
     SQLite's default DEFERRED transactions take the write lock only at the first write,
     so two decisions can read the same state and then fail with "database is locked".
     """
     from django.db import connections, router
 
+    from .backends.database import OPTION_DEFAULTS
     from .models import RateLimit
 
     user = getattr(settings, "TOKENBUCKET", {})
@@ -181,19 +180,38 @@ def check_database(
     options = user.get("OPTIONS") or {}
     if not isinstance(options, dict):
         return []  # reported by check_settings (E010)
+    messages: list[checks.CheckMessage] = []
+    unknown = sorted(map(repr, set(options) - set(OPTION_DEFAULTS)))
+    if unknown:
+        messages.append(
+            checks.Error(
+                f"TOKENBUCKET['OPTIONS'] has unknown option(s) for the database backend: {', '.join(unknown)}.",
+                hint=f"The database backend takes {', '.join(map(repr, OPTION_DEFAULTS))}.",
+                id="django_tokenbucket.E013",
+            )
+        )
+    for flag in ("FAST_PATH", "ASYNC_COMMIT"):
+        if flag in options and not isinstance(options[flag], bool):
+            messages.append(
+                checks.Error(
+                    f"TOKENBUCKET['OPTIONS'][{flag!r}] must be True or False, not {options[flag]!r}.",
+                    id="django_tokenbucket.E014",
+                )
+            )
     alias = options.get("DATABASE") or router.db_for_write(RateLimit)
     if alias not in settings.DATABASES:
-        return [
+        messages.append(
             checks.Error(
                 f"TOKENBUCKET['OPTIONS']['DATABASE'] = {alias!r} is not in DATABASES.",
                 id="django_tokenbucket.E009",
             )
-        ]
+        )
+        return messages
     connection = connections[alias]
     if connection.vendor == "sqlite":
         mode = str(connection.settings_dict.get("OPTIONS", {}).get("transaction_mode") or "").upper()
         if mode != "IMMEDIATE":
-            return [
+            messages.append(
                 checks.Warning(
                     f"Rate limits are stored in the SQLite database {alias!r} without "
                     f"IMMEDIATE transactions: concurrent requests will fail with "
@@ -202,8 +220,8 @@ def check_database(
                     f"'IMMEDIATE', 'timeout': 5}} (Django 5.1+).",
                     id="django_tokenbucket.W001",
                 )
-            ]
-    return []
+            )
+    return messages
 
 
 @checks.register(checks.Tags.urls)

@@ -199,8 +199,15 @@ def test_bad_client_address_settings_e012(setting, value):
 
 @pytest.mark.parametrize(
     "setting, value",
-    [("TRUSTED_PROXIES", 0), ("TRUSTED_PROXIES", 2), ("TRUSTED_PROXIES", ["10.0.0.0/8", "2001:db8::1"]),
-     ("TRUSTED_PROXIES", ()), ("IPV6_PREFIX", 48), ("IPV6_PREFIX", 128), ("IP_HEADER", "CF-Connecting-IP")],
+    [
+        ("TRUSTED_PROXIES", 0),
+        ("TRUSTED_PROXIES", 2),
+        ("TRUSTED_PROXIES", ["10.0.0.0/8", "2001:db8::1"]),
+        ("TRUSTED_PROXIES", ()),
+        ("IPV6_PREFIX", 48),
+        ("IPV6_PREFIX", 128),
+        ("IP_HEADER", "CF-Connecting-IP"),
+    ],
     ids=repr,
 )
 def test_good_client_address_settings(setting, value):
@@ -230,7 +237,13 @@ def test_good_clock(value):
 
 @pytest.mark.parametrize(
     "setting, value",
-    [("RETRY_ATTEMPTS", 0), ("RETRY_ATTEMPTS", 1.5), ("RETRY_ATTEMPTS", True), ("RETRY_BASE_DELAY", -1), ("RETRY_MAX_DELAY", "1")],
+    [
+        ("RETRY_ATTEMPTS", 0),
+        ("RETRY_ATTEMPTS", 1.5),
+        ("RETRY_ATTEMPTS", True),
+        ("RETRY_BASE_DELAY", -1),
+        ("RETRY_MAX_DELAY", "1"),
+    ],
 )
 def test_bad_retry_settings_e008(setting, value):
     with override_settings(TOKENBUCKET=tokenbucket(**{setting: value})):
@@ -258,6 +271,29 @@ def test_database_option_not_in_databases_e009():
     with override_settings(TOKENBUCKET=tokenbucket(OPTIONS={"DATABASE": "nosuchdb"})):
         errors = [m for m in our_messages() if m.id == "django_tokenbucket.E009"]
         assert len(errors) == 1 and "'nosuchdb'" in errors[0].msg
+
+
+@pytest.mark.parametrize("extra", [{"CACHE": "default"}, {"fast_path": True}, {"DATABASES": "default"}])
+def test_unknown_database_option_e013(extra):
+    with override_settings(TOKENBUCKET=tokenbucket(OPTIONS={"DATABASE": "unreachable", **extra})):
+        messages = our_messages()
+        assert ids(messages) == ["django_tokenbucket.E013"]
+        assert repr(next(iter(extra))) in messages[0].msg and "'ASYNC_COMMIT'" in messages[0].hint
+
+
+@pytest.mark.parametrize("flag", ["FAST_PATH", "ASYNC_COMMIT"])
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_database_flags_must_be_bools_e014(flag, value):
+    with override_settings(TOKENBUCKET=tokenbucket(OPTIONS={"DATABASE": "unreachable", flag: value})):
+        messages = our_messages()
+        assert ids(messages) == ["django_tokenbucket.E014"]
+        assert repr(flag) in messages[0].msg and repr(value) in messages[0].msg
+
+
+def test_database_flags_as_bools_are_fine():
+    options = {"DATABASE": "unreachable", "FAST_PATH": False, "ASYNC_COMMIT": True}
+    with override_settings(TOKENBUCKET=tokenbucket(OPTIONS=options)):
+        assert our_messages() == []
 
 
 def test_non_sqlite_database_gives_no_w001():

@@ -52,6 +52,10 @@ pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 T0 = 1_700_000_000.0
 CONFIG = {"rate": 10, "period": 60}  # C = 10, one token every 6 s
+#: F1, F10, F11 and F12 break the portable path between its steps (the lock, the write,
+#: the COMMIT); the PostgreSQL fast path has one step, and its faults are in
+#: test_pg_fast_path.py.
+PORTABLE = {"OPTIONS": {"FAST_PATH": False}}
 #: A second connection to the same test database (a test mirror of "default").
 SIDE = {"postgres": "serializable", "mariadb": "repeatable_read"}.get(settings.DB)
 
@@ -121,7 +125,7 @@ def kill_connection_of(alias: str) -> None:
 @pytest.mark.only_on("postgres", "mariadb")
 @pytest.mark.parametrize("fail_open", [False, True], ids=["fail-closed", "fail-open"])
 def test_f1_connection_killed_between_lock_and_write(side, monkeypatch, caplog, fail_open):
-    with tokenbucket(FAIL_OPEN=fail_open), frozen_clock(T0):
+    with tokenbucket(FAIL_OPEN=fail_open, **PORTABLE), frozen_clock(T0):
         assert limiter.limit("f1", "k", count=4, config=CONFIG).value == 6
         before = stored("f1", "k")
 
@@ -273,7 +277,7 @@ def inject(monkeypatch):
 def test_f10_injected_retries_consume_exactly_one_token_per_admission(inject):
     code = INJECTED_CODE[settings.DB]
     config = {"rate": 100, "period": 3600}
-    with tokenbucket(RETRY_BASE_DELAY=0.0001, RETRY_MAX_DELAY=0.001) as backend, frozen_clock(T0):
+    with tokenbucket(RETRY_BASE_DELAY=0.0001, RETRY_MAX_DELAY=0.001, **PORTABLE) as backend, frozen_clock(T0):
         retried_before = backend.retried[code]
         admitted = 0
         for _ in range(20):
@@ -293,7 +297,7 @@ def test_f10_injected_retries_consume_exactly_one_token_per_admission(inject):
 def test_f10_retries_exhausted_apply_the_fail_mode_and_write_nothing(inject):
     code = INJECTED_CODE[settings.DB]
     config = {"rate": 100, "period": 3600}
-    with tokenbucket(RETRY_ATTEMPTS=3, RETRY_BASE_DELAY=0.0001, RETRY_MAX_DELAY=0.001) as backend, frozen_clock(T0):
+    with tokenbucket(RETRY_ATTEMPTS=3, RETRY_BASE_DELAY=0.0001, RETRY_MAX_DELAY=0.001, **PORTABLE) as backend, frozen_clock(T0):
         limiter.limit("f10", "k", config=config)
         before = stored("f10", "k")
         gave_up = backend.gave_up[code]
@@ -302,7 +306,7 @@ def test_f10_retries_exhausted_apply_the_fail_mode_and_write_nothing(inject):
             limiter.limit("f10", "k", config=config)
         assert backend.gave_up[code] == gave_up + 1
         assert stored("f10", "k") == before
-        with override_settings(TOKENBUCKET={**settings.TOKENBUCKET, "FAIL_OPEN": True}):
+        with override_settings(TOKENBUCKET={**settings.TOKENBUCKET, "FAIL_OPEN": True, **PORTABLE}):
             inject["left"] = 3
             assert limiter.limit("f10", "k", config=config).failed_open
         assert stored("f10", "k") == before
@@ -497,7 +501,7 @@ def test_f11_an_ambiguous_commit_is_never_rerun(monkeypatch, sqlstate, fail_open
     def count(sender, exception, **kwargs):
         errors.append(exception)
 
-    with tokenbucket(FAIL_OPEN=fail_open) as backend, frozen_clock(T0):
+    with tokenbucket(FAIL_OPEN=fail_open, **PORTABLE) as backend, frozen_clock(T0):
         limiter.limit("f11", "k", config=CONFIG)
         before = stored("f11", "k")
         commit = connection._commit
@@ -555,7 +559,7 @@ def test_f12_a_worker_killed_holding_the_lock_blocks_nobody():
     import signal
     import warnings
 
-    with tokenbucket(), frozen_clock(T0):
+    with tokenbucket(**PORTABLE), frozen_clock(T0):
         limiter.limit("f12", "k", count=2, config=CONFIG)
         before = stored("f12", "k")
         connections.close_all()  # the child opens its own connection

@@ -4,6 +4,9 @@ Each decision locks its rows with ``SELECT ... FOR UPDATE`` (in sorted order, so
 that calls touching several limits cannot deadlock each other), reads the database's
 clock in the same statement, and writes only what changed. Inside the caller's
 transaction the decision joins it: a rollback un-spends the tokens.
+
+On PostgreSQL, outside any transaction, a decision is instead one call of a
+server-side function (``postgresql.decide_in_server``): one round trip, same answers.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from ..config import LimitConfig
 from ..keys import EncodedKey
 from ..models import RateLimit
 from .base import BackendError, BaseBackend, Outcome, Request, RowId, decide_all, row_id
+from .postgresql import FUNCTION_NAME, UNDEFINED_FUNCTION, decide_in_server
 
-__all__ = ["RETRYABLE_ERRORS", "DatabaseBackend", "error_code"]
+__all__ = ["OPTION_DEFAULTS", "RETRYABLE_ERRORS", "DatabaseBackend", "error_code"]
 
 logger = logging.getLogger("django_tokenbucket")
 
@@ -42,6 +46,10 @@ _NOW_SQL = {
 #: failures and deadlocks (PostgreSQL and distributed SQL), a unique violation from a
 #: creation race, InnoDB deadlocks and MariaDB's "record has changed".
 RETRYABLE_ERRORS = frozenset({"40001", "40P01", "23505", "1213", "1020"})
+
+
+#: The database backend's ``OPTIONS`` and their defaults (docs/settings.md).
+OPTION_DEFAULTS: dict[str, Any] = {"DATABASE": None, "FAST_PATH": True, "ASYNC_COMMIT": False}
 
 
 def error_code(exc: BaseException) -> str | None:
@@ -60,12 +68,19 @@ class DatabaseBackend(BaseBackend):
     """Store limits in the ``RateLimit`` table.
 
     Options: ``DATABASE``, the alias to use (default: the router's choice for writes
-    of ``RateLimit``).
+    of ``RateLimit``); ``FAST_PATH`` (default True), one round trip per decision on
+    PostgreSQL when the limiter owns the transaction; ``ASYNC_COMMIT`` (default False),
+    let those transactions commit without waiting for the WAL flush.
     """
 
     def __init__(self, options: Mapping[str, Any]) -> None:
         super().__init__(options)
         self.database: str | None = self.options.get("DATABASE")
+        self.fast_path = bool(self.options.get("FAST_PATH", OPTION_DEFAULTS["FAST_PATH"]))
+        self.async_commit = bool(self.options.get("ASYNC_COMMIT", OPTION_DEFAULTS["ASYNC_COMMIT"]))
+        #: Aliases whose database lacks the fast path's function (migration 0004 not
+        #: applied): they take the portable path from then on.
+        self._without_function: set[str] = set()
         #: Internal errors by code that were retried, and that exhausted the retries:
         #: figures for tests and operations.
         self.retried: Counter[str] = Counter()
@@ -81,6 +96,21 @@ class DatabaseBackend(BaseBackend):
 
     def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
         alias = self.alias()
+        if self._fast_path_applies(alias):
+            try:
+                return self._run(
+                    alias, lambda: self._decide_in_server(alias, requests, apply), write=apply, atomic=False
+                )
+            except BackendError as exc:
+                if exc.__cause__ is None or error_code(exc.__cause__) != UNDEFINED_FUNCTION:
+                    raise
+                self._without_function.add(alias)
+                logger.warning(
+                    "django_tokenbucket: the database %r has no function %s (run `manage.py migrate "
+                    "django_tokenbucket`); rate limits take the slower portable path until it does.",
+                    alias,
+                    FUNCTION_NAME,
+                )
         if not apply:
             return self._run(alias, lambda: self._read(alias, requests), write=False)
         return self._run(alias, lambda: self._consume(alias, requests), write=True)
@@ -94,7 +124,28 @@ class DatabaseBackend(BaseBackend):
         alias = self.alias()
         return self._run(alias, lambda: self._refund(alias, config, key, amount), write=True)
 
-    def _run(self, alias: str, work: Callable[[], Outcome], *, write: bool) -> Outcome:
+    def _fast_path_applies(self, alias: str) -> bool:
+        if not self.fast_path or alias in self._without_function:
+            return False
+        connection = connections[alias]
+        # Inside the caller's transaction the decision must join it (a rollback un-spends
+        # the tokens), which only the portable path does. With CLOCK = "app" the time
+        # would be read before the rows are, so that mode keeps the portable path too.
+        return (
+            connection.vendor == "postgresql"
+            and not connection.in_atomic_block
+            and (tokenbucket_settings.CLOCK != "app" or clock.override() is not None)
+            # Without connecting: a store that is down must fail inside the fail mode.
+            and (connection.autocommit if connection.connection is not None else connection.settings_dict["AUTOCOMMIT"])
+        )
+
+    def _decide_in_server(self, alias: str, requests: Sequence[Request], apply: bool) -> Outcome:
+        with connections[alias].cursor() as cursor:
+            return decide_in_server(
+                cursor, requests, apply=apply, pinned_now=clock.override(), async_commit=self.async_commit
+            )
+
+    def _run(self, alias: str, work: Callable[[], Outcome], *, write: bool, atomic: bool = True) -> Outcome:
         try:
             if not write:
                 return work()
@@ -104,7 +155,7 @@ class DatabaseBackend(BaseBackend):
                 # transaction, so it propagates as it is.
                 with transaction.atomic(using=alias):
                     return work()
-            return self._retrying(alias, work)
+            return self._retrying(alias, work, atomic=atomic)
         except DatabaseError as exc:
             connection = connections[alias]
             if connection.in_atomic_block:
@@ -114,21 +165,25 @@ class DatabaseBackend(BaseBackend):
                 # A connection the server dropped would fail every later call of this
                 # thread outside a request cycle; Django reconnects once it is closed.
                 connection.close_if_unusable_or_obsolete()
-            raise BackendError(f"{type(exc).__name__}: {exc}") from exc
+            raise BackendError(f"database {alias!r}: {type(exc).__name__}: {exc}") from exc
 
     def reset(self, config: LimitConfig, key: EncodedKey) -> None:
         alias = self.alias()
         try:
             RateLimit.objects.using(alias).filter(name=config.name, key=key.digest).delete()
         except DatabaseError as exc:
-            raise BackendError(f"{type(exc).__name__}: {exc}") from exc
+            raise BackendError(f"database {alias!r}: {type(exc).__name__}: {exc}") from exc
 
-    def _retrying(self, alias: str, work: Callable[[], Outcome]) -> Outcome:
+    def _retrying(self, alias: str, work: Callable[[], Outcome], *, atomic: bool) -> Outcome:
+        """Run ``work`` (in a transaction of its own unless ``atomic`` is false: a single
+        autocommit statement is one already), again after retryable errors."""
         attempts = max(1, int(tokenbucket_settings.RETRY_ATTEMPTS))
         base = float(tokenbucket_settings.RETRY_BASE_DELAY)
         cap = float(tokenbucket_settings.RETRY_MAX_DELAY)
         for attempt in range(attempts):
             try:
+                if not atomic:
+                    return work()
                 with transaction.atomic(using=alias):
                     return work()
             except DatabaseError as exc:
@@ -213,9 +268,7 @@ class DatabaseBackend(BaseBackend):
         if now_sql is None:
             rows = list(queryset.values_list("pk", "value", "ts")[:1])
             return (*rows[0], None) if rows else None
-        rows = list(
-            queryset.annotate(store_now=RawSQL(now_sql, ())).values_list("pk", "value", "ts", "store_now")[:1]
-        )
+        rows = list(queryset.annotate(store_now=RawSQL(now_sql, ())).values_list("pk", "value", "ts", "store_now")[:1])
         return rows[0] if rows else None
 
     def _read(self, alias: str, requests: Sequence[Request]) -> Outcome:

@@ -1,0 +1,31 @@
+"""Install the PostgreSQL fast path's server-side functions (other databases: nothing)."""
+
+from typing import Any
+
+from django.db import migrations
+
+
+def install(apps: Any, schema_editor: Any) -> None:
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    from django_tokenbucket.backends.postgresql import FUNCTIONS_SQL
+
+    schema_editor.execute(FUNCTIONS_SQL, params=None)
+
+
+def uninstall(apps: Any, schema_editor: Any) -> None:
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    from django_tokenbucket.backends.postgresql import drop_sql
+
+    schema_editor.execute(drop_sql(), params=None)
+
+
+class Migration(migrations.Migration):
+    dependencies = [
+        ("django_tokenbucket", "0003_reservation"),
+    ]
+
+    operations = [
+        migrations.RunPython(install, uninstall, elidable=False),
+    ]

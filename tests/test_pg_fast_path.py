@@ -1,0 +1,362 @@
+"""The database backend's PostgreSQL fast path: one statement per decision.
+
+Parity: generated traces replayed through the server-side function and through the
+Python algorithms give identical decisions and stored states. Then what the fast path
+promises beyond the portable one: one round trip, no row version written by a denial
+or a check, the caller's transaction still honoured, a missing function survived, and
+commits that skip the WAL flush when ASYNC_COMMIT is on. Exactness under several
+processes is in test_concurrency.py, which on PostgreSQL runs through this path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+from django.conf import settings as django_settings
+from django.db import connection, connections, transaction
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+from hypothesis import event, given
+
+from django_tokenbucket import BackendUnavailable, LimitRequest, limiter
+from django_tokenbucket.algorithms import MICRO, State
+from django_tokenbucket.backends import get_backend
+from django_tokenbucket.backends.base import Request
+from django_tokenbucket.backends.database import DatabaseBackend
+from django_tokenbucket.backends.postgresql import FUNCTION_NAME, FUNCTIONS_SQL, drop_sql
+from django_tokenbucket.models import RateLimit
+from django_tokenbucket.testing import frozen_clock
+
+from . import parity
+from .settings import TOKENBUCKET as BASE_SETTINGS
+
+pytestmark = [pytest.mark.only_on("postgres"), pytest.mark.django_db(transaction=True)]
+
+T0 = 1_700_000_000.0
+
+
+@contextmanager
+def backend_with(**options: object) -> Iterator[DatabaseBackend]:
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, "OPTIONS": options}):
+        backend = get_backend()
+        assert isinstance(backend, DatabaseBackend)
+        yield backend
+
+
+@pytest.fixture
+def backend() -> Iterator[DatabaseBackend]:
+    with backend_with() as backend:
+        yield backend
+
+
+@pytest.fixture
+def async_backend() -> Iterator[DatabaseBackend]:
+    with backend_with(ASYNC_COMMIT=True) as backend:
+        yield backend
+
+
+# ---------------------------------------------------------------------------------------
+# Parity: the PL/pgSQL port and the Python algorithms agree on every generated trace
+# ---------------------------------------------------------------------------------------
+
+
+def stored(request: Request) -> State | None:
+    rows = RateLimit.objects.filter(name=request.config.name, key=request.key.digest).values_list("value", "ts")
+    return State(*rows[0]) if rows else None
+
+
+def replay(backend: DatabaseBackend, start: int, trace, note=lambda label: None) -> None:
+    RateLimit.objects.all().delete()
+
+    def decide(requests, apply):
+        with CaptureQueriesContext(connection) as queries:
+            outcome = backend.decide(requests, apply=apply)
+        assert len(queries) == 1, "the fast path was not taken"
+        return outcome
+
+    parity.replay(decide, stored, start, trace, note)
+
+
+@parity.PARITY
+@given(parity.traces())
+def test_plpgsql_and_python_agree_on_every_decision(backend, case):
+    """Decisions, values, retry_after, full_after and stored states, bit for bit."""
+    replay(backend, *case, note=event)
+
+
+@parity.PARITY
+@given(parity.near_ties())
+def test_plpgsql_and_python_agree_on_near_ties(backend, case):
+    replay(backend, *case)
+
+
+@pytest.mark.parametrize("config, trace", parity.BEYOND_53_BITS, ids=parity.BEYOND_53_BITS_IDS)
+def test_plpgsql_and_python_agree_beyond_53_bits(backend, config, trace):
+    replay(backend, parity.T0_US, parity.beyond_53_bits_trace(config, trace))
+
+
+def test_plpgsql_and_python_agree_when_a_window_moves(backend):
+    replay(backend, parity.T0_US, parity.window_move_trace())
+
+
+def test_async_commit_decides_alike(async_backend):
+    replay(async_backend, parity.T0_US, parity.window_move_trace())
+
+
+# ---------------------------------------------------------------------------------------
+# What the fast path adds
+# ---------------------------------------------------------------------------------------
+
+
+def row_version(name: str) -> tuple[str, int, int]:
+    """Return the row's xmin (the transaction that wrote its current version) and state."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT xmin::text, value, ts FROM django_tokenbucket_ratelimit WHERE name = %s", [name])
+        return cursor.fetchone()
+
+
+def test_a_decision_is_one_statement(backend):
+    with frozen_clock(T0), CaptureQueriesContext(connection) as queries:
+        assert limiter.limit("ten_per_minute", "one").ok
+        assert limiter.check("ten_per_minute", "one").ok
+        limiter.limit_many(
+            [LimitRequest("ten_per_minute", "one"), LimitRequest("inline", "one", config={"rate": 1, "period": 1})]
+        )
+    assert [FUNCTION_NAME in q["sql"] for q in queries] == [True, True, True]
+
+
+def test_denials_and_checks_write_no_row_version(backend):
+    with frozen_clock(T0) as clock:
+        for _ in range(10):
+            assert limiter.limit("ten_per_minute", "k").ok
+        written = row_version("ten_per_minute")
+        assert written[1] == 0
+        for _ in range(5):
+            assert not limiter.limit("ten_per_minute", "k").ok
+            assert limiter.check("ten_per_minute", "k").ok is False
+        assert row_version("ten_per_minute") == written
+        clock.advance(6)
+        assert limiter.limit("ten_per_minute", "k").ok
+        assert row_version("ten_per_minute")[0] != written[0]
+
+
+def test_a_denied_fresh_key_creates_no_row(backend):
+    with frozen_clock(T0):
+        both = [LimitRequest("ten_per_minute", "new", count=6), LimitRequest("ten_per_minute", "new", count=5)]
+        assert not limiter.limit_many(both).ok
+        assert limiter.check("ten_per_minute", "new").ok
+    assert not RateLimit.objects.exists()
+
+
+def test_inside_the_callers_transaction_the_portable_path_joins_it(backend):
+    with frozen_clock(T0):
+        with CaptureQueriesContext(connection) as queries, transaction.atomic():
+            assert limiter.limit("ten_per_minute", "tx", count=4).value == 6
+            transaction.set_rollback(True)
+        assert not any(FUNCTION_NAME in q["sql"] for q in queries)
+        # Rolled back with the caller's transaction: the tokens are unspent.
+        assert limiter.get_value("ten_per_minute", "tx") == 10
+
+
+def test_the_portable_path_when_the_fast_path_is_off():
+    with backend_with(FAST_PATH=False):
+        with frozen_clock(T0), CaptureQueriesContext(connection) as queries:
+            assert limiter.limit("ten_per_minute", "off").value == 9
+        assert not any(FUNCTION_NAME in q["sql"] for q in queries)
+        assert any("FOR UPDATE" in q["sql"] for q in queries)
+
+
+def test_the_app_clock_keeps_the_portable_path(backend):
+    # The fast path reads the time after the rows; a host's clock would be read before.
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, "CLOCK": "app"}):
+        with CaptureQueriesContext(connection) as queries:
+            assert limiter.limit("ten_per_minute", "app").ok
+    assert not any(FUNCTION_NAME in q["sql"] for q in queries)
+
+
+def test_the_database_clock_decides(backend):
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::bigint")
+        before = cursor.fetchone()[0]
+    status = limiter.limit("ten_per_minute", "clock")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::bigint")
+        after = cursor.fetchone()[0]
+    assert before <= status.timestamp * MICRO <= after + 1
+    assert before <= row_version("ten_per_minute")[2] <= after
+
+
+def test_a_missing_function_falls_back_once_with_a_warning(backend, caplog):
+    with connection.cursor() as cursor:
+        cursor.execute(drop_sql())
+    try:
+        with frozen_clock(T0), caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
+            for expected in (9, 8, 7):
+                assert limiter.limit("ten_per_minute", "gone").value == expected
+        warnings = [r for r in caplog.records if FUNCTION_NAME in r.getMessage()]
+        assert len(warnings) == 1
+        assert "migrate" in warnings[0].getMessage()
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(FUNCTIONS_SQL)
+
+
+def wal_flushes() -> int:
+    """Return how many times the server has flushed the WAL to disk so far."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute("SELECT wal_sync FROM pg_stat_wal")
+        return int(cursor.fetchone()[0])
+
+
+@pytest.mark.parametrize("options, most", [({}, None), ({"ASYNC_COMMIT": True}, 5)], ids=["durable", "async"])
+def test_async_commit_skips_the_wal_flush(options, most):
+    """Each durable commit waits for its own flush; ASYNC_COMMIT leaves them to the WAL writer."""
+    decisions = 40
+    with backend_with(**options):
+        before = wal_flushes()
+        for number in range(decisions):
+            assert limiter.limit("ten_per_minute", f"wal-{number}").ok
+        flushes = wal_flushes() - before
+    if most is None:
+        assert flushes >= decisions
+    else:
+        assert flushes <= most
+
+
+# ---------------------------------------------------------------------------------------
+# Faults on the fast path (the portable path's are in test_reliability.py)
+# ---------------------------------------------------------------------------------------
+
+SIDE = "serializable"  # a second connection to the test database
+
+
+@pytest.fixture
+def retrying() -> Iterator[DatabaseBackend]:
+    options = {"RETRY_ATTEMPTS": 3, "RETRY_BASE_DELAY": 0.0001, "RETRY_MAX_DELAY": 0.001}
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, **options}):
+        backend = get_backend()
+        assert isinstance(backend, DatabaseBackend)
+        yield backend
+
+
+@pytest.fixture
+def failing_writes() -> Iterator[Callable[[int], None]]:
+    """``fail(n)``: the next n writes to the table raise 40001 in the server, after the write.
+
+    A trigger raises it, numbering the writes with a sequence (which a rollback does not undo).
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            CREATE SEQUENCE test_tokenbucket_writes;
+            CREATE FUNCTION test_tokenbucket_fail_write() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF nextval('test_tokenbucket_writes') <= current_setting('test_tokenbucket.fail_writes')::bigint THEN
+                    RAISE EXCEPTION 'injected serialization failure' USING ERRCODE = '40001';
+                END IF;
+                RETURN NEW;
+            END $$;
+            CREATE TRIGGER test_tokenbucket_fail_write AFTER INSERT OR UPDATE ON django_tokenbucket_ratelimit
+                FOR EACH ROW EXECUTE FUNCTION test_tokenbucket_fail_write();
+            SET test_tokenbucket.fail_writes = 0;
+            """
+        )
+
+    def fail(writes: int) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT setval('test_tokenbucket_writes', 1, false), set_config(%s, %s, false)",
+                ["test_tokenbucket.fail_writes", str(writes)],
+            )
+
+    try:
+        yield fail
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "DROP TRIGGER test_tokenbucket_fail_write ON django_tokenbucket_ratelimit; "
+                "DROP FUNCTION test_tokenbucket_fail_write(); DROP SEQUENCE test_tokenbucket_writes;"
+            )
+
+
+def test_injected_serialization_failures_consume_one_token_per_admission(retrying, failing_writes):
+    config = {"rate": 100, "period": 3600}
+    retried = retrying.retried["40001"]
+    with frozen_clock(T0):
+        admitted = 0
+        for _ in range(20):
+            failing_writes(2)  # the first two attempts of every decision fail after their write
+            admitted += limiter.limit("f10", "k", config=config).ok
+        assert retrying.retried["40001"] - retried == 40
+        assert admitted == 20
+        assert limiter.get_value("f10", "k", config=config) == 100 - admitted
+
+
+@pytest.mark.parametrize("fail_open", [False, True], ids=["fail-closed", "fail-open"])
+def test_exhausted_retries_apply_the_fail_mode_and_write_nothing(retrying, failing_writes, fail_open):
+    config = {"rate": 100, "period": 3600}
+    with frozen_clock(T0), override_settings(TOKENBUCKET={**django_settings.TOKENBUCKET, "FAIL_OPEN": fail_open}):
+        limiter.limit("f10", "k", config=config)
+        before = row_version("f10")
+        failing_writes(3)
+        if fail_open:
+            assert limiter.limit("f10", "k", config=config).failed_open
+        else:
+            with pytest.raises(BackendUnavailable, match="'f10'"):
+                limiter.limit("f10", "k", config=config)
+        assert row_version("f10") == before
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+@pytest.mark.parametrize("fail_open", [False, True], ids=["fail-closed", "fail-open"])
+def test_a_connection_killed_mid_statement_fails_by_the_mode_and_writes_nothing(backend, caplog, fail_open):
+    """The server ends the session while the function waits for a row lock: nothing is written."""
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, "FAIL_OPEN": fail_open}), frozen_clock(T0):
+        limiter.limit("f1", "k", count=4, config={"rate": 10, "period": 60})
+        before = row_version("f1")
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            pid = cursor.fetchone()[0]
+        killed = threading.Event()
+
+        def kill_once_waiting() -> None:
+            try:
+                with connections[SIDE].cursor() as cursor:
+                    deadline = time.monotonic() + 10
+                    while time.monotonic() < deadline:  # polled until the statement waits for the lock
+                        cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
+                        if cursor.fetchone()[0] == "Lock":
+                            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+                            killed.set()
+                            return
+                        time.sleep(0.005)
+            finally:
+                connections[SIDE].close()
+
+        with caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
+            with transaction.atomic(using=SIDE):
+                list(RateLimit.objects.using(SIDE).select_for_update().filter(name="f1"))
+                killer = threading.Thread(target=kill_once_waiting)
+                killer.start()
+                if fail_open:
+                    status = limiter.limit("f1", "k", config={"rate": 10, "period": 60})
+                    assert status.ok and status.failed_open
+                else:
+                    with pytest.raises(BackendUnavailable, match="'f1'"):
+                        limiter.limit("f1", "k", config={"rate": 10, "period": 60})
+                killer.join()
+        assert killed.is_set()
+        assert row_version("f1") == before
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "'f1'" in r.getMessage()]
+        assert len(warnings) == 1 and "'default'" in warnings[0].getMessage()
+        # The next call opens a new connection and decides on the fast path again.
+        with CaptureQueriesContext(connection) as queries:
+            assert limiter.limit("f1", "k", config={"rate": 10, "period": 60}).value == 5
+        assert any(FUNCTION_NAME in q["sql"] for q in queries)
