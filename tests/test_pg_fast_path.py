@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 from django.conf import settings as django_settings
+from django.core.management import call_command
 from django.db import connection, connections, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
@@ -360,3 +361,19 @@ def test_a_connection_killed_mid_statement_fails_by_the_mode_and_writes_nothing(
         with CaptureQueriesContext(connection) as queries:
             assert limiter.limit("f1", "k", config={"rate": 10, "period": 60}).value == 5
         assert any(FUNCTION_NAME in q["sql"] for q in queries)
+
+
+def function_exists() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_proc WHERE proname = %s", [FUNCTION_NAME])
+        return cursor.fetchone()[0] == 1
+
+
+def test_migration_0004_installs_and_removes_the_functions():
+    assert function_exists()
+    call_command("migrate", "django_tokenbucket", "0003", verbosity=0)
+    try:
+        assert not function_exists()
+    finally:
+        call_command("migrate", "django_tokenbucket", verbosity=0)
+    assert function_exists()

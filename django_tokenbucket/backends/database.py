@@ -29,7 +29,7 @@ from ..config import LimitConfig
 from ..keys import EncodedKey
 from ..models import RateLimit
 from .base import BackendError, BaseBackend, Outcome, Request, RowId, decide_all, row_id
-from .postgresql import FUNCTION_NAME, UNDEFINED_FUNCTION, decide_in_server
+from .postgresql import FUNCTION_NAME, UNDEFINED_FUNCTION, decide_in_server, is_postgresql
 
 __all__ = ["OPTION_DEFAULTS", "RETRYABLE_ERRORS", "DatabaseBackend", "error_code"]
 
@@ -132,7 +132,7 @@ class DatabaseBackend(BaseBackend):
         # the tokens), which only the portable path does. With CLOCK = "app" the time
         # would be read before the rows are, so that mode keeps the portable path too.
         return (
-            connection.vendor == "postgresql"
+            is_postgresql(connection)
             and not connection.in_atomic_block
             and (tokenbucket_settings.CLOCK != "app" or clock.override() is not None)
             # Without connecting: a store that is down must fail inside the fail mode.

@@ -18,7 +18,7 @@ from ..algorithms import Decision, lowest_value
 from ..config import FIXED_WINDOW
 from .base import Outcome, Request, RowId, row_id
 
-__all__ = ["FUNCTIONS_SQL", "FUNCTION_NAME", "UNDEFINED_FUNCTION", "decide_in_server", "drop_sql"]
+__all__ = ["FUNCTIONS_SQL", "FUNCTION_NAME", "UNDEFINED_FUNCTION", "decide_in_server", "drop_sql", "is_postgresql"]
 
 #: The function's versioned name: a change of behaviour ships as ``_v2`` with its own
 #: migration, so code and schema briefly out of step never disagree silently.
@@ -41,6 +41,16 @@ _CALL_SQL = (
     "%s::bigint[], %s::bigint[], %s::bigint[], %s::bigint[], %s::bigint[], %s::bigint[], "
     "%s::bigint[], %s::bigint[], %s, %s::bigint, %s)"
 )
+
+
+def is_postgresql(connection: Any) -> bool:
+    """Return whether ``connection`` is PostgreSQL itself, where the functions can live.
+
+    Backends for databases that speak PostgreSQL's protocol (CockroachDB's subclasses
+    Django's PostgreSQL backend) keep ``vendor = "postgresql"`` but run PL/pgSQL in part
+    or not at all: they take the portable path.
+    """
+    return connection.vendor == "postgresql" and connection.display_name == "PostgreSQL"
 
 
 def drop_sql() -> str:

@@ -6,18 +6,18 @@ from django.db import migrations
 
 
 def install(apps: Any, schema_editor: Any) -> None:
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    from django_tokenbucket.backends.postgresql import FUNCTIONS_SQL
+    from django_tokenbucket.backends.postgresql import FUNCTIONS_SQL, is_postgresql
 
+    if not is_postgresql(schema_editor.connection):
+        return
     schema_editor.execute(FUNCTIONS_SQL, params=None)
 
 
 def uninstall(apps: Any, schema_editor: Any) -> None:
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    from django_tokenbucket.backends.postgresql import drop_sql
+    from django_tokenbucket.backends.postgresql import drop_sql, is_postgresql
 
+    if not is_postgresql(schema_editor.connection):
+        return
     schema_editor.execute(drop_sql(), params=None)
 
 
