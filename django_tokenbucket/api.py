@@ -19,6 +19,7 @@ from .exceptions import BackendUnavailable, RateLimited
 from .keys import EncodedKey, encode_key
 from .logs import throttled_logger
 from .rates import to_fraction
+from .shards import pick_two, shard_configs, shard_key, split
 from .status import MultiStatus, Status
 
 __all__ = ["LimitRequest", "Limiter", "limiter"]
@@ -134,18 +135,37 @@ class Limiter:
     def get_status(self, name: str, key: object = None, config: ConfigSpec | None = None) -> Status:
         """Return the state of a limit now, as a Status of a zero-token call."""
         limit = self.resolve(name, config)
-        request = Request(limit, self._encode(limit, key), 0)
+        encoded = self._encode(limit, key)
         # Reading has nothing to allow, so a failed store is an error even with FAIL_OPEN.
-        outcome = self._backend_call(limit, [request], apply=False, fail_open=False)
+        if limit.shards > 1:
+            return self._shards_status(limit, encoded, key, 0)
+        outcome = self._backend_call(limit, [Request(limit, encoded, 0)], apply=False, fail_open=False)
         assert outcome is not None
         return self._status(limit, key, 0, outcome.decisions[0], outcome.now)
+
+    def _shards_status(self, limit: LimitConfig, encoded: EncodedKey, key: object, count: int) -> Status:
+        """Return a sharded limit's state from all of its shards: its value is their sum."""
+        outcome = self._read_shards(limit, encoded)
+        decisions = outcome.decisions
+        total = Decision(True, sum(d.value for d in decisions), None, max(d.full_after for d in decisions), None)
+        return self._status(limit, key, count, total, outcome.now)
+
+    def _read_shards(self, limit: LimitConfig, encoded: EncodedKey) -> Outcome:
+        request = Request(limit, encoded, 0)
+        reads = [_shard_request(request, index, 0) for index in range(limit.shards)]
+        outcome = self._backend_call(limit, reads, apply=False, fail_open=False)
+        assert outcome is not None
+        return outcome
 
     def reset(self, name: str, key: object = None, config: ConfigSpec | None = None) -> None:
         """Forget the state of ``name`` for ``key``: it starts full again."""
         limit = self.resolve(name, config)
         encoded = self._encode(limit, key)
         try:
-            get_backend().reset(limit, encoded)
+            if limit.shards == 1:
+                get_backend().reset(limit, encoded)
+            for index, shard in enumerate(shard_configs(limit) if limit.shards > 1 else ()):
+                get_backend().reset(shard, shard_key(encoded, index, limit.shards))
         except BackendError as exc:
             throttled_logger.warning(limit.name, "rate limit %r: reset failed: %s", limit.name, exc)
             raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
@@ -177,13 +197,29 @@ class Limiter:
     # -- internals -------------------------------------------------------------------
 
     def _refund(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Status:
-        """Refund ``amount`` micro-tokens to an encoded key (reservations keep only the digest)."""
+        """Refund ``amount`` micro-tokens to an encoded key (reservations keep only the digest).
+
+        A sharded limit gets them back in the shards with the most room first, each up to
+        its capacity, as a refund to one bucket is capped at its capacity.
+        """
         try:
-            outcome = get_backend().refund(limit, encoded, amount)
+            if limit.shards == 1:
+                outcome = get_backend().refund(limit, encoded, amount)
+                return self._status(limit, key, amount, outcome.decisions[0], outcome.now)
+            shards = shard_configs(limit)
+            read = self._read_shards(limit, encoded).decisions
+            left = amount
+            rooms = sorted(((shards[i].capacity - read[i].value, i) for i in range(limit.shards)), reverse=True)
+            for room, index in rooms:
+                if left <= 0 or room <= 0:
+                    break
+                given = min(room, left)
+                get_backend().refund(shards[index], shard_key(encoded, index, limit.shards), given)
+                left -= given
         except BackendError as exc:
             throttled_logger.warning(limit.name, "rate limit %r: refund failed: %s", limit.name, exc)
             raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
-        return self._status(limit, key, amount, outcome.decisions[0], outcome.now)
+        return self._shards_status(limit, encoded, key, amount)
 
     @staticmethod
     def _as_request(item: LimitRequest | Sequence[Any]) -> LimitRequest:
@@ -219,6 +255,9 @@ class Limiter:
         if not isinstance(reserve, bool):
             raise ValueError(f"rate limit {name!r}: reserve must be a bool, not {reserve!r}")
         limit = self.resolve(name, config)
+        if limit.shards > 1:
+            statuses = self._run([LimitRequest(name, key, count, reserve, config)], apply=apply, throws=throws)
+            return statuses[0]
         micro = limit.validate_count(count, reserve)
         request = Request(limit, self._encode(limit, key), micro, reserve)
         outcome = self._backend_call(limit, [request], apply=apply)
@@ -245,25 +284,34 @@ class Limiter:
             limits.append(limit)
             requests.append(Request(limit, self._encode(limit, item.key), count, item.reserve))
 
+        statuses: list[Status | None] = [None] * len(items)
+        planned = self._plan_shards(requests)
+        if planned is None:  # the store failed reading the shards, and FAIL_OPEN allows
+            statuses = [self._failed_open(limit, item.key, item.count) for limit, item in zip(limits, items)]
+            planned = ([], [])
+        parts, untouched = planned
         # Limits in shadow mode never block, so they are decided apart from the enforced
         # ones; they consume only when the enforced ones let the call through, as they
         # would if they were enforced.
-        enforced = [i for i, limit in enumerate(limits) if not limit.shadow]
-        shadowed = [i for i, limit in enumerate(limits) if limit.shadow]
-        statuses: list[Status | None] = [None] * len(items)
+        enforced = [i for i, limit in enumerate(limits) if not limit.shadow and parts]
+        shadowed = [i for i, limit in enumerate(limits) if limit.shadow and parts]
         for group in (enforced, shadowed):
             if not group:
                 continue
             group_apply = apply and (group is enforced or all(statuses[i].ok for i in enforced))  # type: ignore[union-attr]
-            group_requests = [requests[i] for i in group]
+            group_requests = [part for i in group for part in parts[i]]
             outcome = self._backend_call(limits[group[0]], group_requests, apply=group_apply)
-            for position, i in enumerate(group):
+            position = 0
+            for i in group:
                 if outcome is None:
                     statuses[i] = self._failed_open(limits[i], items[i].key, items[i].count)
-                else:
-                    statuses[i] = self._status(
-                        limits[i], items[i].key, requests[i].count, outcome.decisions[position], outcome.now
-                    )
+                    continue
+                decisions = outcome.decisions[position : position + len(parts[i])]
+                position += len(parts[i])
+                decision = (
+                    decisions[0] if limits[i].shards == 1 else _sharded_decision(limits[i], decisions, untouched[i])
+                )
+                statuses[i] = self._status(limits[i], items[i].key, requests[i].count, decision, outcome.now)
         result = MultiStatus([status for status in statuses if status is not None])
         if apply:
             self._report(result)
@@ -271,6 +319,33 @@ class Limiter:
             denied = result.denied[0]
             raise RateLimited(denied.name, denied.key, result.retry_after, denied)
         return result
+
+    def _plan_shards(self, requests: list[Request]) -> tuple[list[list[Request]], list[int]] | None:
+        """Return the requests to run for each one given, and what its other shard read.
+
+        A request on an unsharded limit runs as it is. One on a sharded limit reads two
+        random shards (one backend call for all of them, changing nothing) and becomes
+        the parts that ``shards.split`` plans; ``untouched`` is then the value of the
+        shard read but not taken from (0 when both are), for the status's estimate.
+        None when that read failed and FAIL_OPEN allows.
+        """
+        parts = [[request] for request in requests]
+        untouched = [0] * len(requests)
+        sharded = [i for i, request in enumerate(requests) if request.config.shards > 1]
+        if not sharded:
+            return parts, untouched
+        picks = {i: pick_two(requests[i].config.shards) for i in sharded}
+        probes = [_shard_request(requests[i], index, 0) for i in sharded for index in picks[i]]
+        outcome = self._backend_call(requests[sharded[0]].config, probes, apply=False)
+        if outcome is None:
+            return None
+        for n, i in enumerate(sharded):
+            first, second = picks[i]
+            values = {first: outcome.decisions[2 * n].value, second: outcome.decisions[2 * n + 1].value}
+            plan = split(requests[i].count, requests[i].reserve, (first, values[first]), (second, values[second]))
+            parts[i] = [_shard_request(requests[i], index, amount) for index, amount in plan]
+            untouched[i] = sum(value for index, value in values.items() if index not in dict(plan))
+        return parts, untouched
 
     @classmethod
     def _report(cls, result: MultiStatus) -> None:
@@ -381,6 +456,26 @@ class Limiter:
             failed_open=True,
             shadow=limit.shadow,
         )
+
+
+def _shard_request(request: Request, index: int, count: int) -> Request:
+    """Return ``request`` moved to shard ``index`` of its limit, for ``count`` micro-tokens."""
+    shards = request.config.shards
+    return Request(shard_configs(request.config)[index], shard_key(request.key, index, shards), count, request.reserve)
+
+
+def _sharded_decision(limit: LimitConfig, parts: Sequence[Decision], untouched: int) -> Decision:
+    """Return one decision for a call on a sharded limit, from those of its parts.
+
+    The value is an estimate, the two shards read scaled to all of them; the waits are
+    the longest of the parts', which must all succeed together.
+    """
+    allowed = all(part.allowed for part in parts)
+    # Allowed: a reservation's wait, if any. Denied: the wait of the parts that were.
+    waits = [part.retry_after for part in parts if part.retry_after is not None and (allowed or not part.allowed)]
+    retry_after = max(waits, default=None)
+    value = (sum(part.value for part in parts) + untouched) * limit.shards // 2
+    return Decision(allowed, value, retry_after, max(part.full_after for part in parts), None)
 
 
 limiter = Limiter()

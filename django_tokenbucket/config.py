@@ -15,7 +15,7 @@ from . import algorithms
 from .algorithms import MAX_AMOUNT, MICRO, Decision, State
 from .rates import parse_period, parse_rate, to_fraction
 
-__all__ = ["FIXED_WINDOW", "TOKEN_BUCKET", "LimitConfig", "parse_limit", "to_micro"]
+__all__ = ["FIXED_WINDOW", "MAX_SHARDS", "TOKEN_BUCKET", "LimitConfig", "parse_limit", "to_micro"]
 
 TOKEN_BUCKET = "token bucket"
 FIXED_WINDOW = "fixed window"
@@ -25,7 +25,9 @@ _KIND_ALIASES = {
     "fixed window": FIXED_WINDOW,
     "fixed_window": FIXED_WINDOW,
 }
-_KNOWN_KEYS = {"kind", "rate", "period", "capacity", "max_reserved", "start", "shadow"}
+_KNOWN_KEYS = {"kind", "rate", "period", "capacity", "max_reserved", "start", "shadow", "shards"}
+#: More shards than this spread a limit thinner than any deployment needs.
+MAX_SHARDS = 1024
 #: Periods are whole microseconds and must fit the integer arithmetic comfortably.
 _MAX_PERIOD_US = 2**53
 MAX_NAME_LENGTH = 200
@@ -57,6 +59,8 @@ class LimitConfig:
     start: int | None = None
     #: Evaluate and report, never block: for rolling out a new limit safely.
     shadow: bool = False
+    #: Spread over this many buckets, for a hot limit (``django_tokenbucket.shards``).
+    shards: int = 1
 
     @property
     def period_seconds(self) -> float:
@@ -72,8 +76,21 @@ class LimitConfig:
 
     @property
     def max_count(self) -> int | None:
-        """Return the largest count (micro-tokens) that can ever succeed with a reservation."""
-        return None if self.max_reserved is None else self.capacity + self.max_reserved
+        """Return the largest count (micro-tokens) that can ever succeed with a reservation.
+
+        A sharded limit reserves from one shard.
+        """
+        if self.max_reserved is None:
+            return None
+        return (self.capacity + self.max_reserved) // self.shards
+
+    @property
+    def max_plain_count(self) -> int:
+        """Return the largest count (micro-tokens) that can ever succeed without a reservation.
+
+        A sharded limit takes from two shards at most.
+        """
+        return self.capacity if self.shards == 1 else 2 * self.capacity // self.shards
 
     def window_offset(self, key_digest: str) -> int:
         """Return where this key's windows start, in microseconds modulo the period.
@@ -157,7 +174,13 @@ class LimitConfig:
                 micro = to_micro(amount, "count", count)
             except ValueError as exc:
                 raise ValueError(f"rate limit {self.name!r}: {exc}") from None
-        if not reserve and micro > self.capacity:
+        if not reserve and micro > self.max_plain_count:
+            if self.shards > 1:
+                raise ValueError(
+                    f"rate limit {self.name!r}: count {count!r} exceeds what two of its "
+                    f"{self.shards} shards hold ({self.max_plain_count / MICRO:g}) and could never "
+                    f"succeed; use fewer shards or raise the capacity"
+                )
             raise ValueError(
                 f"rate limit {self.name!r}: count {count!r} exceeds the capacity "
                 f"{self.capacity_tokens:g} and could never succeed; pass reserve=True "
@@ -265,6 +288,21 @@ def _parse_spec(name: str, spec: object) -> LimitConfig:
     if not isinstance(shadow, bool):
         raise ValueError(f"shadow must be True or False, not {shadow!r}")
 
+    shards = spec.get("shards", 1)
+    if type(shards) is not int or not 1 <= shards <= MAX_SHARDS:
+        raise ValueError(f"shards must be a whole number from 1 to {MAX_SHARDS}, not {shards!r}")
+    # Equal shards: every row of the limit reads under one config (the admin, cleanup).
+    uneven = [
+        what
+        for what, amount in (("rate", rate), ("capacity", capacity), ("max_reserved", max_reserved or 0))
+        if amount % shards
+    ]
+    if uneven:
+        raise ValueError(
+            f"{' and '.join(uneven)} must split into {shards} equal shards to the micro-token "
+            f"(a millionth of a token); choose a number of shards that divides them"
+        )
+
     return LimitConfig(
         name=name,
         shadow=shadow,
@@ -274,6 +312,7 @@ def _parse_spec(name: str, spec: object) -> LimitConfig:
         capacity=capacity,
         max_reserved=max_reserved,
         start=start,
+        shards=shards,
     )
 
 

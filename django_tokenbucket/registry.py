@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from django.apps import apps
 from django.conf import settings
@@ -18,6 +18,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from .conf import tokenbucket_settings
 from .config import LimitConfig, parse_limit
+from .shards import row_config
 
 __all__ = ["INLINE", "SETTINGS", "THROTTLE_RATES", "KnownLimit", "known_limits", "record_inline"]
 
@@ -106,4 +107,6 @@ def known_limits(*, load_views: bool = True) -> dict[str, KnownLimit]:
     with _lock:
         inline = list(_inline.values())
     known.update((config.name, KnownLimit(config, INLINE)) for config in inline)
-    return known
+    # A sharded limit's rows are its shards: they read (in the admin, for cleanup) under
+    # a shard's config.
+    return {name: replace(limit, config=row_config(limit.config)) for name, limit in known.items()}

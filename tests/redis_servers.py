@@ -223,15 +223,18 @@ class LocalCluster:
     def node_for_slot(self, slot: int, role: str = "master", via: RedisServer | None = None) -> RedisServer:
         """Return the server that is the master (or a replica) of ``slot``, as ``via`` sees it."""
         client = (via or self.servers[0]).client()
+        deadline = time.monotonic() + 10
         try:
-            for start, end, master, *replicas in client.execute_command("CLUSTER SLOTS"):
-                if start <= slot <= end:
-                    wanted = master if role == "master" else replicas[0]
-                    port = int(wanted[1])
-                    return next(server for server in self.servers if server.port == port)
+            while True:  # polled: a node learns of a new replica by gossip, a moment later
+                for start, end, master, *replicas in client.execute_command("CLUSTER SLOTS"):
+                    if start <= slot <= end and (role == "master" or replicas):
+                        port = int((master if role == "master" else replicas[0])[1])
+                        return next(server for server in self.servers if server.port == port)
+                if time.monotonic() > deadline:
+                    raise LookupError(f"no {role} of slot {slot} in CLUSTER SLOTS")
+                time.sleep(0.05)
         finally:
             client.close()
-        raise LookupError(slot)
 
     def close(self) -> None:
         for server in self.servers:

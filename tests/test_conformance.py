@@ -5,6 +5,8 @@ Time is pinned with ``frozen_clock`` so the assertions are exact; no test sleeps
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
@@ -296,3 +298,59 @@ class TestClock:
         limiter.limit("reconfigured", "k", count=10, config=smaller)
         denied = limiter.limit("reconfigured", "k", config={"rate": 5, "period": 100})
         assert not denied.ok and denied.retry_after == pytest.approx(20.0)
+
+
+class TestShards:
+    """A limit spread over shards: exact in sum, two shards read per call, pooled when needed."""
+
+    SHARDED = {"rate": 10, "period": 60, "shards": 4}  # shares of 10: 3, 3, 2, 2
+
+    @pytest.fixture(autouse=True)
+    def seeded(self):
+        # The shards a call reads are random; a seed makes each run the same.
+        state = random.getstate()
+        random.seed(4)
+        yield
+        random.setstate(state)
+
+    def test_admits_no_more_than_the_limit_and_the_sum_is_exact(self, clock):
+        admitted = sum(limiter.limit("sharded", "k", config=self.SHARDED).ok for _ in range(30))
+        assert 8 <= admitted <= 10
+        assert limiter.get_value("sharded", "k", config=self.SHARDED) == 10 - admitted
+        clock.advance(60)
+        assert limiter.get_value("sharded", "k", config=self.SHARDED) == 10
+
+    def test_two_shards_are_pooled_when_neither_holds_the_count(self, clock):
+        even = {"rate": 8, "period": 60, "shards": 4}  # 2 tokens in each shard
+        status = limiter.limit("pooled", "k", count=3, config=even)
+        assert status.ok and status.capacity == 8
+        assert limiter.get_value("pooled", "k", config=even) == 5
+        # Four tokens is what two shards hold at most: more could never succeed.
+        with pytest.raises(ValueError, match=r"'pooled'.*two of its 4 shards"):
+            limiter.limit("pooled", "k", count=4.5, config=even)
+
+    def test_a_denial_consumes_nothing_and_says_when(self, clock):
+        one_each = {"rate": 4, "period": 60, "shards": 4}  # a token every 15 s per shard
+        for _ in range(20):
+            limiter.limit("drained", "k", config=one_each)
+        assert limiter.get_value("drained", "k", config=one_each) == 0
+        denied = limiter.limit("drained", "k", config=one_each)
+        assert not denied.ok and denied.retry_after == pytest.approx(60.0)
+        assert limiter.get_value("drained", "k", config=one_each) == 0
+
+    def test_all_or_nothing_with_other_limits(self, clock):
+        assert limiter.limit("ten_per_minute", "k", count=10).ok
+        both = [LimitRequest("sharded", "k", config=self.SHARDED), LimitRequest("ten_per_minute", "k")]
+        assert not limiter.limit_many(both).ok
+        assert limiter.get_value("sharded", "k", config=self.SHARDED) == 10
+
+    def test_reset_and_refund_reach_every_shard(self, clock):
+        limiter.limit("sharded", "k", count=2, config=self.SHARDED)
+        limiter.limit("sharded", "k", count=3, config=self.SHARDED)
+        assert limiter.get_value("sharded", "k", config=self.SHARDED) == 5
+        # Back into the shards with the most room, none above its share.
+        assert limiter.refund("sharded", "k", count=4, config=self.SHARDED).value == 9
+        assert limiter.refund("sharded", "k", count=4, config=self.SHARDED).value == 10
+        limiter.limit("sharded", "k", count=2, config=self.SHARDED)
+        limiter.reset("sharded", "k", config=self.SHARDED)
+        assert limiter.get_value("sharded", "k", config=self.SHARDED) == 10

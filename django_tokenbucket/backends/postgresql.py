@@ -50,7 +50,7 @@ def is_postgresql(connection: Any) -> bool:
     Django's PostgreSQL backend) keep ``vendor = "postgresql"`` but run PL/pgSQL in part
     or not at all: they take the portable path.
     """
-    return connection.vendor == "postgresql" and connection.display_name == "PostgreSQL"
+    return bool(connection.vendor == "postgresql" and connection.display_name == "PostgreSQL")
 
 
 def drop_sql() -> str:
