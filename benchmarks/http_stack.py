@@ -41,7 +41,6 @@ Not a test: it asserts nothing about speed. PostgreSQL: database
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -307,19 +306,7 @@ def main() -> None:
             "single": single,
             "comparisons": comparisons(views, single),
         }
-        result["wall_seconds"] = round(time.perf_counter() - started)
-        result["machine"]["load_average"] = {
-            "before": [round(x, 2) for x in load_before],
-            "after": [round(x, 2) for x in os.getloadavg()],
-        }
-    print_report(result)
-    load = result["machine"]["load_average"]
-    print(f"\n({result['wall_seconds']} s; load average before {load['before']}, after {load['after']})")
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"JSON: {path}")
+    peers.finish(result, print_report, started, load_before, args.json)
 
 
 if __name__ == "__main__":

@@ -946,16 +946,27 @@ def main() -> None:
             "memory": memory,
         }
         result["targets"] = targets(result)
-        result["wall_seconds"] = round(time.perf_counter() - started)
-        result["machine"]["load_average"] = {
-            "before": [round(x, 2) for x in load_before],
-            "after": [round(x, 2) for x in os.getloadavg()],
-        }
-    print_report(result)
+    finish(result, print_report, started, load_before, args.json)
+
+
+def finish(
+    result: dict[str, Any],
+    report: Callable[[dict[str, Any]], None],
+    started: float,
+    load_before: tuple[float, float, float],
+    json_path: str | None,
+) -> None:
+    """Record the run's duration and load, print the report, and write the JSON if asked."""
+    result["wall_seconds"] = round(time.perf_counter() - started)
+    result["machine"]["load_average"] = {
+        "before": [round(x, 2) for x in load_before],
+        "after": [round(x, 2) for x in os.getloadavg()],
+    }
+    report(result)
     load = result["machine"]["load_average"]
     print(f"\n({result['wall_seconds']} s; load average before {load['before']}, after {load['after']})")
-    if args.json:
-        path = Path(args.json)
+    if json_path:
+        path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"JSON: {path}")
