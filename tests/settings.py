@@ -128,12 +128,13 @@ DATABASES["unreachable"] = {
 
 if DB in ("postgres", "mariadb"):
     # The same test database through tests/faultproxy.py, for faults of the network and of
-    # a stalled server (test_faults.py): the test starts a proxy and points PORT at it.
-    # Until then nothing listens on port 1. connect_timeout is what bounds a decision
-    # against a server that accepts and never answers (PostgreSQL's minimum is 2 s).
+    # a stalled server (test_faults.py): the test starts a proxy and points HOST and PORT
+    # at it. Until then it is the test database itself, reachable: Django 6's system
+    # checks connect to every MySQL/MariaDB alias (to read the server's version).
+    # connect_timeout is what bounds a decision against a server that accepts and never
+    # answers (PostgreSQL's minimum is 2 s).
     DATABASES["proxied"] = {
         **DATABASES["default"],
-        "PORT": "1",
         "OPTIONS": {**DATABASES["default"].get("OPTIONS", {}), "connect_timeout": 2},
         "TEST": {"MIRROR": "default"},
     }
