@@ -129,9 +129,7 @@ DATABASES["unreachable"] = {
 if DB in ("postgres", "mariadb"):
     # The same test database through tests/faultproxy.py, for faults of the network and of
     # a stalled server (test_faults.py): the test starts a proxy and points HOST and PORT
-    # at it. Until then it is the test database itself, reachable: Django 6's system
-    # checks connect to every MySQL/MariaDB alias (to read the server's version).
-    # connect_timeout is what bounds a decision against a server that accepts and never
+    # at it. Until then it is the test database itself, reachable. connect_timeout is what bounds a decision against a server that accepts and never
     # answers (PostgreSQL's minimum is 2 s).
     DATABASES["proxied"] = {
         **DATABASES["default"],
@@ -142,6 +140,8 @@ if DB in ("postgres", "mariadb"):
         # A connection already open whose server stops answering: only a client-side read
         # timeout ends the wait (psycopg has none; see docs/reliability.md, F2).
         DATABASES["proxied"]["OPTIONS"].update(read_timeout=2, write_timeout=2)
+
+DATABASE_ROUTERS = ["tests.routers.OnlyDefaultIsMigrated"]
 
 TOKENBUCKET = {
     "LIMITS": {
