@@ -12,9 +12,10 @@ so the arithmetic can lose a micro-token at worst and never mints one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
+    "CLOCK_SKEW_TOLERANCE",
     "MAX_AMOUNT",
     "MICRO",
     "Decision",
@@ -34,6 +35,16 @@ MICRO = 1_000_000
 #: Largest amount (in micro-tokens) a limit may hold: every stored number stays exact
 #: in an IEEE double, which is all that Redis' Lua has.
 MAX_AMOUNT = 2**53
+
+#: How far (in microseconds) a clock may read behind a limit's stored time and still be
+#: taken for a host whose clock lags another's rather than a clock set back. Such a
+#: decision is made at the stored time: the state never goes back, so hosts with skewed
+#: clocks cannot credit their skew again each time they take turns. A clock further back
+#: is taken to have jumped, and the state follows it rather than locking everyone out
+#: until it catches up. Keep app servers' clocks well within this (NTP keeps them within
+#: milliseconds), or use ``CLOCK = "store"``. ``lua/decide.lua`` and the PostgreSQL
+#: functions hold the same figure.
+CLOCK_SKEW_TOLERANCE = 5 * MICRO
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,24 @@ class Decision:
 
 def _ceil_div(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
+
+
+def _lagging_clock_time(now: int, state: State) -> int | None:
+    """Return the time to decide at when ``now`` lags the stored state, else None."""
+    if state.ts - CLOCK_SKEW_TOLERANCE <= now < state.ts:
+        return state.ts
+    return None
+
+
+def _waits_from(decision: Decision, lag: int) -> Decision:
+    """Return ``decision``, made ``lag`` microseconds ahead of the caller's clock, with its
+    waits on the caller's clock, which must run that much longer to see them end. What
+    holds already (a zero wait) holds on any clock."""
+    return replace(
+        decision,
+        retry_after=decision.retry_after + lag if decision.retry_after else decision.retry_after,
+        full_after=decision.full_after + lag if decision.full_after else 0,
+    )
 
 
 def lowest_value(reserve: bool, max_reserved: int | None) -> int | None:
@@ -107,8 +136,21 @@ def token_bucket(
     """
     if state is None:
         state = fresh_token_bucket(capacity)
+    decided_at = _lagging_clock_time(now, state)
+    if decided_at is not None:
+        decision = token_bucket(
+            state,
+            decided_at,
+            count,
+            rate=rate,
+            period=period,
+            capacity=capacity,
+            reserve=reserve,
+            max_reserved=max_reserved,
+        )
+        return _waits_from(decision, decided_at - now)
     clock_went_back = now < state.ts
-    # A clock that went backwards credits nothing for the lost time, and measuring the
+    # A clock that jumped backwards credits nothing for the lost time, and measuring the
     # refill from ``now`` keeps it from locking anybody out until it catches up.
     since = now if clock_went_back else state.ts
     stored = min(state.value, capacity)
@@ -168,6 +210,20 @@ def fixed_window(
     """
     if state is None:
         state = fresh_fixed_window(capacity, period, offset)
+    decided_at = _lagging_clock_time(now, state)
+    if decided_at is not None:
+        decision = fixed_window(
+            state,
+            decided_at,
+            count,
+            rate=rate,
+            period=period,
+            capacity=capacity,
+            offset=offset,
+            reserve=reserve,
+            max_reserved=max_reserved,
+        )
+        return _waits_from(decision, decided_at - now)
     clock_went_back = now < state.ts
     # Python's modulo is never negative, so this is the start, at or before ``now``, of
     # the configured window holding ``now``.
@@ -175,7 +231,7 @@ def fixed_window(
     # Every window start after the stored one credits ``rate``. Counting window starts
     # rather than whole periods since ``state.ts`` puts a state stored under another
     # ``period`` or ``start`` on the configured windows from its next call. A clock that
-    # went back finds none (``window_start <= now < state.ts``): it mints nothing, and the
+    # jumped back finds none (``window_start <= now < state.ts``): it mints nothing, and the
     # state is rebased onto ``window_start`` so nobody waits for the clock to catch up.
     windows = max(0, _ceil_div(window_start - state.ts, period))
     value = min(capacity, state.value + windows * rate)

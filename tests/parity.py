@@ -17,7 +17,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from django_tokenbucket import clock as clock_module
-from django_tokenbucket.algorithms import MAX_AMOUNT, MICRO, State
+from django_tokenbucket.algorithms import CLOCK_SKEW_TOLERANCE, MAX_AMOUNT, MICRO, State
 from django_tokenbucket.backends.base import Outcome, Request, decide_all, row_id
 from django_tokenbucket.config import FIXED_WINDOW, TOKEN_BUCKET, LimitConfig
 from django_tokenbucket.keys import encode_key
@@ -59,6 +59,8 @@ steps = st.one_of(
     st.integers(0, 10),
     st.integers(0, 10 * MICRO),
     st.integers(-MICRO, 100 * MICRO),
+    # around algorithms.CLOCK_SKEW_TOLERANCE: a lagging clock, and just past it a jump
+    st.integers(-CLOCK_SKEW_TOLERANCE - 2, 0),
     st.integers(-(2**50), 2**50),
     st.sampled_from([0, 1, -1, 2**53, -(2**53)]),
 )
@@ -232,5 +234,7 @@ def window_move_trace() -> list:
         (MICRO, [Request(longer, ALICE, MICRO, True)], True),
         (-30 * MICRO, [Request(before, ALICE, 10 * MICRO)], True),  # and a clock gone back
         (95 * MICRO, [Request(longer, ALICE, 0)], False),
+        (MICRO, [Request(moved, ALICE, MICRO)], True),
+        (-3 * MICRO, [Request(moved, ALICE, MICRO)], True),  # a lagging clock on a moved window
     ]
     return trace

@@ -159,7 +159,31 @@ TOKEN_BUCKET_CASES = [
         {"rate": 20 * M},
         Decision(True, M, None, 27 * M, State(M, T + TOKEN)),
     ),
-    # -- clock went backwards: no credit, no lockout ----------------------------------------
+    # -- a clock behind the stored time ------------------------------------------------------
+    # Up to CLOCK_SKEW_TOLERANCE (5 s) behind: a host whose clock lags another's. It decides
+    # at the stored time (no credit, nothing moves back), and its waits are longer by the lag.
+    (
+        "clock-lags-allowed",
+        State(2 * M, T),
+        T - 4 * M,
+        M,
+        {},
+        Decision(True, M, None, 9 * TOKEN + 4 * M, State(M, T)),
+    ),
+    # denied: one token (6 s) after T is 11 s away on a clock 5 s behind; nothing is stored
+    ("clock-lags-denied", State(0, T), T - 5 * M, M, {}, Decision(False, 0, TOKEN + 5 * M, 65 * M, None)),
+    # the phase (T+6 holds 0.5 micro-token's worth at T+9) is kept: T+12 is 7 us away
+    ("clock-lags-1us", State(0, T + 6), T + 5, 1, {}, Decision(False, 0, 7, 60 * M + 1, None)),
+    # full already: a zero wait stays zero
+    (
+        "clock-lags-b11",
+        State(10 * M, T),
+        T - 1,
+        0,
+        {"capacity": 4 * M},
+        Decision(True, 4 * M, None, 0, State(4 * M, T)),
+    ),
+    # Further back: the clock jumped. No credit, and no lockout: the refill restarts from now.
     (
         "clock-back-allowed",
         State(5 * M, T),
@@ -177,15 +201,14 @@ TOKEN_BUCKET_CASES = [
         {},
         Decision(False, 0, TOKEN, 60 * M, State(0, T - 3600 * M)),
     ),
-    # the phase (T+6 holds 0.5 micro-token's worth at T+9) is dropped, never credited
-    ("clock-back-1us", State(0, T + 6), T + 5, 1, {}, Decision(False, 0, 6, 60 * M, State(0, T + 5))),
+    # 1 us past the tolerance is a jump
     (
-        "clock-back-b11",
-        State(10 * M, T),
-        T - 1,
-        0,
-        {"capacity": 4 * M},
-        Decision(True, 4 * M, None, 0, State(4 * M, T - 1)),
+        "clock-back-past-tolerance",
+        State(0, T),
+        T - 5 * M - 1,
+        M,
+        {},
+        Decision(False, 0, TOKEN, 60 * M, State(0, T - 5 * M - 1)),
     ),
 ]
 
@@ -347,16 +370,20 @@ FIXED_WINDOW_CASES = [
     # -- capacity reduced below the stored value clamps (B11) -----------------------------
     ("b11", State(8 * M, W), W + 5 * M, M, {"capacity": 3 * M}, Decision(True, 2 * M, None, 5 * M, State(2 * M, W))),
     ("b11-peek", State(8 * M, W), W + 5 * M, 0, {"capacity": 3 * M}, Decision(True, 3 * M, None, 0, State(3 * M, W))),
-    # -- clock went backwards ----------------------------------------------------------------
-    # 25 s back lands 5 s into the window starting 30 s before W: the wait is 5 s, and the
-    # rebased state (on the same window phase) is stored.
+    # -- a clock behind the stored window ------------------------------------------------------
+    # 25 s back (past the 5 s tolerance: a jump) lands 5 s into the window starting 30 s
+    # before W: the wait is 5 s, and the rebased state (on the same window phase) is stored.
     ("clock-back-denied", State(0, W), W - 25 * M, M, {}, Decision(False, 0, 5 * M, 15 * M, State(0, W - 30 * M))),
-    ("clock-back-allowed", State(3 * M, W), W - 1, M, {},
-        Decision(True, 2 * M, None, 10 * M + 1, State(2 * M, W - 10 * M))),
     ("clock-back-boundary", State(3 * M, W), W - 10 * M, M, {},
         Decision(True, 2 * M, None, 20 * M, State(2 * M, W - 10 * M))),
-    ("clock-back-b11", State(8 * M, W), W - 1, 0, {"capacity": 3 * M},
-        Decision(True, 3 * M, None, 0, State(3 * M, W - 10 * M))),
+    # Within the tolerance, a lagging clock decides in the stored window: its state never
+    # moves to the window before (the next window would credit it again), and its waits
+    # are longer by the lag.
+    ("clock-lags-allowed", State(3 * M, W), W - 1, M, {},
+        Decision(True, 2 * M, None, 20 * M + 1, State(2 * M, W))),
+    ("clock-lags-denied", State(0, W), W - 2 * M, M, {}, Decision(False, 0, 12 * M, 22 * M, None)),
+    ("clock-lags-b11", State(8 * M, W), W - 1, 0, {"capacity": 3 * M},
+        Decision(True, 3 * M, None, 0, State(3 * M, W))),
     # -- a state stored under another start or period moves onto the configured windows ---
     # start moved from 3 s to 7 s: the window starting at W + 4 s credits 5 tokens and
     # becomes the stored one; before it, the stored window is still the current one.

@@ -312,7 +312,8 @@ def test_h6_every_one_of_many_keys_stays_within_its_bound(request, backend):
 
 
 # ---------------------------------------------------------------------------------------
-# K3: app hosts whose clocks disagree; with the store's clock, the skew does not matter
+# K3: app hosts whose clocks disagree. With the store's clock the skew does not matter;
+# with their own clocks (CLOCK="app", and always on SQLite) it adds at most r × the spread.
 # ---------------------------------------------------------------------------------------
 
 K3_OFFSETS_S = [-2, -1, 1, 2]
@@ -357,3 +358,44 @@ def test_k3_skewed_app_clocks_change_nothing_with_the_store_clock(request, backe
     assert figures["surfaced_errors"] == 0, figures["error_samples"]
     assert figures["admitted"] <= bound + 1e-6, figures
     assert figures["admitted"] >= 0.9 * bound, figures
+
+
+K3_APP_CLOCK_BACKENDS = [
+    pytest.param("database"),
+    pytest.param("redis", marks=pytest.mark.redis),
+]
+
+
+@pytest.mark.parametrize("backend", K3_APP_CLOCK_BACKENDS)
+def test_k3_skewed_app_clocks_mint_at_most_their_spread(request, backend):
+    """Each host decides on its own clock. A host behind the stored time (by up to
+    algorithms.CLOCK_SKEW_TOLERANCE) decides at the stored time, so hosts taking turns
+    never re-credit their skew: admitted ≤ C + r·(Δ + spread), Δ in real time."""
+    capacity, rate, duration = 20, 10, sized(3.0, 20.0)
+    config = {"rate": rate, "period": 1, "capacity": capacity}
+    store = request.getfixturevalue("redis_store") if backend == "redis" else {"OPTIONS": {"DATABASE": "default"}}
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, **store, "CLOCK": "app"}):
+        call = partial(limiter.limit, "k3app", "hot", config=config)
+        results = run_processes(_skewed_app_clock, len(K3_OFFSETS_S), call, duration)
+    # The real time of each decision: its host's clock less that host's offset.
+    real = [t - r["offset_s"] for r in results for t in r["timestamps"]]
+    real_span = max(real) - min(real)
+    spread = max(K3_OFFSETS_S) - min(K3_OFFSETS_S)
+    figures = summarise(
+        results,
+        case="K3",
+        backend=settings.DB if backend == "database" else "redis",
+        clock="app",
+        app_clock_offsets_s=K3_OFFSETS_S,
+        C=capacity,
+        r=rate,
+        M_s=duration,
+        real_span_s=round(real_span, 6),
+    )
+    bound = capacity + rate * (real_span + spread)
+    figures.update(bound=round(bound, 3), excess=round(figures["admitted"] - bound, 3))
+    figures["per_process_share"] = {r["offset_s"]: r["admitted"] for r in results}
+    assert figures["surfaced_errors"] == 0, figures["error_samples"]
+    assert figures["admitted"] <= bound + 1e-6, figures
+    # Nobody is locked out either: at least what one clock alone would admit.
+    assert figures["admitted"] >= 0.9 * (capacity + rate * real_span), figures

@@ -363,17 +363,38 @@ def test_a_connection_killed_mid_statement_fails_by_the_mode_and_writes_nothing(
         assert any(FUNCTION_NAME in q["sql"] for q in queries)
 
 
-def function_exists() -> bool:
+def installed_versions() -> list[str]:
     with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_proc WHERE proname = %s", [FUNCTION_NAME])
-        return cursor.fetchone()[0] == 1
+        cursor.execute(
+            "SELECT proname FROM pg_proc WHERE proname LIKE 'django\\_tokenbucket\\_%%' ORDER BY proname"
+        )
+        return [name for (name,) in cursor.fetchall()]
 
 
-def test_migration_0004_installs_and_removes_the_functions():
-    assert function_exists()
-    call_command("migrate", "django_tokenbucket", "0003", verbosity=0)
+def test_migrations_install_each_version_and_remove_it():
+    assert installed_versions() == ["django_tokenbucket_decide_v2", "django_tokenbucket_step_v2"]
+    assert FUNCTION_NAME == "django_tokenbucket_decide_v2"
     try:
-        assert not function_exists()
+        call_command("migrate", "django_tokenbucket", "0004", verbosity=0)
+        # 0004 installs the version it was written for, not the one the code calls now
+        assert installed_versions() == ["django_tokenbucket_decide_v1", "django_tokenbucket_step_v1"]
+        call_command("migrate", "django_tokenbucket", "0003", verbosity=0)
+        assert installed_versions() == []
     finally:
         call_command("migrate", "django_tokenbucket", verbosity=0)
-    assert function_exists()
+    assert installed_versions() == ["django_tokenbucket_decide_v2", "django_tokenbucket_step_v2"]
+
+
+def test_code_meeting_an_older_schema_takes_the_portable_path(backend, caplog):
+    """Deployed before `migrate` has run 0005: only version 1 exists, which this code
+    never calls; decisions stay right, on the portable path."""
+    call_command("migrate", "django_tokenbucket", "0004", verbosity=0)
+    try:
+        with frozen_clock(T0), caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
+            with CaptureQueriesContext(connection) as queries:
+                for expected in (9, 8, 7):
+                    assert limiter.limit("ten_per_minute", "older").value == expected
+        assert "FOR UPDATE" in " ".join(q["sql"] for q in queries)
+        assert len([r for r in caplog.records if FUNCTION_NAME in r.getMessage()]) == 1
+    finally:
+        call_command("migrate", "django_tokenbucket", verbosity=0)

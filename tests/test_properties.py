@@ -6,6 +6,10 @@ time ``t >= ts`` is the amount ``min(C, min(v, C) + r * (t - ts) / P)``; before 
 (a clock that went back) it is ``min(v, C)``. A fixed-window state holds ``v`` in the
 window starting at ``ts``, and each later window adds ``r`` up to ``C``.
 
+A clock at most ``CLOCK_SKEW_TOLERANCE`` behind ``ts`` is a host lagging another: it
+decides at ``ts`` (the state never moves back) and its waits are longer by the lag. A
+clock further back has jumped: the state is rebased on it, without credit.
+
 Numbers in the comments refer to the properties of the plan:
  1 safety bound, 2 exact admission, 3 stateful reference equivalence, 4 retry_after,
  5 clock non-monotonicity, 6 idle = fresh, 7 refill additivity, 8 fixed window,
@@ -25,6 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from django_tokenbucket.algorithms import (
+    CLOCK_SKEW_TOLERANCE,
     MICRO,
     Decision,
     State,
@@ -169,6 +174,18 @@ amounts = st.one_of(
 )
 periods = st.one_of(st.sampled_from([M, 60 * M, 3600 * M, DAY]), st.integers(M, DAY))
 times = st.integers(10**15, 2 * 10**15)
+#: How far a clock is behind a stored state: a lag (up to the tolerance) or a jump.
+backs = st.one_of(
+    st.integers(1, 10),
+    st.integers(1, CLOCK_SKEW_TOLERANCE),
+    st.sampled_from([CLOCK_SKEW_TOLERANCE, CLOCK_SKEW_TOLERANCE + 1]),
+    st.integers(1, 10 * DAY),
+)
+
+
+def lagging(now: int, state: State | None) -> bool:
+    """Whether ``now`` is a clock lagging the stored state (decided at ``state.ts``)."""
+    return state is not None and state.ts - CLOCK_SKEW_TOLERANCE <= now < state.ts
 
 
 @st.composite
@@ -330,8 +347,8 @@ def test_2_token_bucket_one_step_is_exact(data: st.DataObject, reserve: bool, ba
     limit = data.draw(limits(reserve=True), "limit")
     now = data.draw(times, "now")
     state = data.draw(tb_states(limit, now, lowest=None, above=True), "state")
-    if back:  # the clock went back by some amount
-        state = replace(state, ts=now + data.draw(st.integers(1, 10 * DAY), "back"))
+    if back:  # the clock lags the stored state, or went back by some amount
+        state = replace(state, ts=now + data.draw(backs, "back"))
     count = data.draw(counts(limit, reserve, zero=True), "count")
     decision = limit.tb(state, now, count, reserve)
     check_decision(limit, decision)
@@ -339,17 +356,19 @@ def test_2_token_bucket_one_step_is_exact(data: st.DataObject, reserve: bool, ba
     amount = limit.tb_amount(state, now)
     assert decision.allowed == limit.admits(amount, count, reserve)
     assert decision.value == floor(amount) - (count if decision.allowed else 0)
+    decided_at = state.ts if lagging(now, state) else now
     if decision.allowed:
         new = decision.state
         assert new is not None
-        assert new.ts <= now
-        loss = (amount - count) - limit.tb_held(new, now)
+        assert new.ts <= decided_at
+        loss = (amount - count) - limit.tb_held(new, decided_at)
         # the rounding never mints and loses less than a micro-token, and less than
         # one microsecond's refill
         assert 0 <= loss < min(Fraction(1), limit.refill(1))
         if back:
-            assert new == State(min(state.value, limit.capacity) - count, now)
-    elif back:
+            # no credit for the lost time; a lag keeps the stored time, a jump moves to now
+            assert new == State(min(state.value, limit.capacity) - count, decided_at)
+    elif back and not lagging(now, state):
         # rebased on now, without credit for the lost time
         assert decision.state == State(min(state.value, limit.capacity), now)
     else:
@@ -363,8 +382,7 @@ def test_2_fixed_window_one_step_is_exact(data: st.DataObject, reserve: bool, ba
     now = data.draw(times, "now")
     state = data.draw(fw_states(limit, now, lowest=None, above=True), "state")
     if back:
-        ahead = data.draw(st.integers(1, 1000), "windows ahead")
-        state = replace(state, ts=limit.window_start(limit.window(now) + ahead))
+        now = state.ts - data.draw(backs, "back")
     count = data.draw(counts(limit, reserve, zero=True), "count")
     decision = limit.fw(state, now, count, reserve)
     check_decision(limit, decision)
@@ -373,10 +391,11 @@ def test_2_fixed_window_one_step_is_exact(data: st.DataObject, reserve: bool, ba
     allowed = limit.admits(Fraction(amount), count, reserve)
     assert decision.allowed == allowed
     assert decision.value == amount - (count if allowed else 0)
-    here = limit.window_start(limit.window(now))
+    # a lagging clock decides in the stored window; a jump lands in its own
+    here = state.ts if lagging(now, state) else limit.window_start(limit.window(now))
     if allowed:
         assert decision.state == State(amount - count, here)
-    elif back:
+    elif back and not lagging(now, state):
         assert decision.state == State(min(state.value, limit.capacity), here)
     else:
         assert decision.state is None
@@ -436,19 +455,23 @@ def reference_token_bucket(
     """
     if state is None:
         state = State(limit.capacity, 0)
-    went_back = now < state.ts
-    since = now if went_back else state.ts
+    # A lagging clock decides at the stored time; the waits stay on the caller's clock.
+    decided_at = state.ts if lagging(now, state) else now
+    went_back = decided_at < state.ts
+    since = decided_at if went_back else state.ts
     stored = min(state.value, limit.capacity)
-    amount = min(Fraction(limit.capacity), stored + limit.refill(now - since))
+    amount = min(Fraction(limit.capacity), stored + limit.refill(decided_at - since))
 
     def wait(value: int, ts: int, target: int) -> int:
-        """Whole microseconds until ``State(value, ts)`` holds ``target``."""
-        return max(0, ceil(ts + Fraction((target - value) * limit.period, limit.rate) - now))
+        """Whole microseconds until ``State(value, ts)`` holds ``target`` (0: it does)."""
+        if value >= target:
+            return 0
+        return ceil(ts + Fraction((target - value) * limit.period, limit.rate) - now)
 
     if limit.admits(amount, count, reserve):
         after = amount - count
         value = floor(after)
-        ts = now - floor((after - value) * limit.period / limit.rate)
+        ts = decided_at - floor((after - value) * limit.period / limit.rate)
         return Decision(
             True,
             value,
@@ -474,7 +497,9 @@ def reference_fixed_window(
     if stored is None:
         stored = (limit.capacity, limit.window(limit.offset % limit.period))
     value, window = stored
-    here = limit.window(now)
+    # A lagging clock decides in the stored window; the waits stay on the caller's clock.
+    lag = limit.window_start(window) - now
+    here = window if 0 < lag <= CLOCK_SKEW_TOLERANCE else limit.window(now)
     went_back = here < window
     amount = min(limit.capacity, value + max(0, here - window) * limit.rate)
 
@@ -540,6 +565,7 @@ class TokenBucketMachine(RuleBasedStateMachine):
     def call(self, count: int, reserve: bool) -> Decision:
         note(f"{self.limit} now={self.now} state={self.state} count={count} reserve={reserve}")
         went_back = self.state is not None and self.now < self.state.ts
+        jumped = went_back and not lagging(self.now, self.state)
         decision = self.limit.tb(self.state, self.now, count, reserve)
         expected = reference_token_bucket(self.limit, self.ref_state, self.now, count, reserve)
         assert decision == expected
@@ -547,7 +573,7 @@ class TokenBucketMachine(RuleBasedStateMachine):
         # before the last write the exact model, too, credits nothing
         elapsed = max(0, self.now - self.exact_at)
         exact_now = min(Fraction(self.limit.capacity), self.exact + self.limit.refill(elapsed))
-        if not went_back and decision.allowed:
+        if not jumped and decision.allowed:
             assert self.limit.admits(exact_now, count, reserve)
         before = self.state
         self.state = store(self.state, decision, count)
@@ -565,7 +591,7 @@ class TokenBucketMachine(RuleBasedStateMachine):
     def advance(self, data: st.DataObject) -> None:
         self.now += data.draw(tb_dts(self.limit), "dt")
 
-    @rule(dt=st.one_of(st.integers(1, 10), st.integers(1, 10 * DAY)))
+    @rule(dt=backs)
     def jump_back(self, dt: int) -> None:
         self.now -= dt
 
@@ -623,7 +649,7 @@ class FixedWindowMachine(RuleBasedStateMachine):
     def advance(self, data: st.DataObject) -> None:
         self.now += data.draw(fw_dts(self.limit), "dt")
 
-    @rule(dt=st.one_of(st.integers(1, 10), st.integers(1, 10 * DAY)))
+    @rule(dt=backs)
     def jump_back(self, dt: int) -> None:
         self.now -= dt
 
@@ -697,7 +723,7 @@ def test_4_token_bucket_retry_after_is_sound_and_tight(data: st.DataObject, rese
     now = data.draw(times, "now")
     state = data.draw(tb_states(limit, now, lowest=limit.lowest(True), above=True), "state")
     if back:
-        state = replace(state, ts=now + data.draw(st.integers(1, 10 * DAY), "back"))
+        state = replace(state, ts=now + data.draw(backs, "back"))
     count = data.draw(counts(limit, reserve), "count")
     check_waits(limit, limit.tb, state, now, count, reserve)
 
@@ -709,8 +735,7 @@ def test_4_fixed_window_retry_after_is_sound_and_tight(data: st.DataObject, rese
     now = data.draw(times, "now")
     state = data.draw(fw_states(limit, now, lowest=limit.lowest(True), above=True), "state")
     if back:
-        ahead = data.draw(st.integers(1, 1000), "windows ahead")
-        state = replace(state, ts=limit.window_start(limit.window(now) + ahead))
+        now = state.ts - data.draw(backs, "back")
     count = data.draw(counts(limit, reserve), "count")
     check_waits(limit, limit.fw, state, now, count, reserve)
 
@@ -734,7 +759,7 @@ def test_4_retry_after_along_a_sequence(data: st.DataObject) -> None:
 
 
 def signed(dts: st.SearchStrategy[int]) -> st.SearchStrategy[int]:
-    return st.one_of(dts, dts.map(lambda dt: -dt), st.integers(-10 * DAY, -1))
+    return st.one_of(dts, dts.map(lambda dt: -dt), backs.map(lambda dt: -dt))
 
 
 @SETTINGS
@@ -783,23 +808,94 @@ def test_5_fixed_window_backwards_clock_mints_nothing(data: st.DataObject) -> No
         assert admitted <= limit.capacity + crossed * limit.rate
 
 
+def skewed_hosts(data: st.DataObject, dts: st.SearchStrategy[int], limit: Limit) -> tuple[list[int], list[tuple]]:
+    """Clock offsets of a few hosts (spread within the tolerance), and calls
+    (host, real-time step, count or None) taking turns among them. None is a greedy
+    caller: it takes all that its own clock says the limit holds, or asks for a
+    micro-token when that is nothing."""
+    half = CLOCK_SKEW_TOLERANCE // 2
+    offsets = data.draw(st.lists(st.integers(-half, half), min_size=2, max_size=4), "offsets")
+    # Steps shorter than the skew are where turns taken could re-credit it.
+    steps = st.one_of(st.integers(0, 10), st.integers(0, CLOCK_SKEW_TOLERANCE), dts)
+    calls = data.draw(
+        st.lists(
+            st.tuples(st.integers(0, len(offsets) - 1), steps, st.one_of(st.none(), counts(limit))),
+            min_size=1,
+            max_size=40,
+        ),
+        "calls",
+    )
+    return offsets, calls
+
+
+def run_skewed_hosts(decide: Callable[[State | None, int, int], Decision], offsets: list[int], calls: list[tuple],
+                     t: int, bound: Callable[[int], float]) -> None:
+    """Play ``calls``; after each, what was admitted stays within ``bound(real time)``."""
+    state: State | None = None
+    admitted = 0
+    for host, dt, wanted in calls:
+        t += dt
+        now = t + offsets[host]
+        shown = decide(state, now, 0).value
+        count = max(1, shown) if wanted is None else wanted
+        decision = decide(state, now, count)
+        assert decision.allowed or wanted is not None or shown < 1  # what a peek shows can be taken
+        admitted += count if decision.allowed else 0
+        state = store(state, decision, count)
+        assert admitted <= bound(t)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_5_token_bucket_skewed_hosts_mint_nothing(data: st.DataObject) -> None:
+    """Hosts whose clocks disagree (by up to the tolerance) taking turns on one bucket
+    admit at most C + r * (elapsed + the spread of their clocks): nobody credits the
+    skew again each time the others have written."""
+    limit = data.draw(limits(), "limit")
+    offsets, calls = skewed_hosts(data, tb_dts(limit), limit)
+    start = data.draw(times, "t0")
+    spread = max(offsets) - min(offsets)
+    run_skewed_hosts(
+        limit.tb, offsets, calls, start, lambda t: limit.capacity + limit.refill(t - start + spread)
+    )
+
+
+@SETTINGS
+@given(data=st.data())
+def test_5_fixed_window_skewed_hosts_mint_nothing(data: st.DataObject) -> None:
+    limit = data.draw(limits(), "limit")
+    offsets, calls = skewed_hosts(data, fw_dts(limit), limit)
+    # Close before a window boundary, where the hosts' clocks can straddle it.
+    boundary = limit.window_start(limit.window(data.draw(times, "t")) + 1)
+    start = boundary - data.draw(st.integers(0, CLOCK_SKEW_TOLERANCE), "before the boundary")
+
+    def bound(t: int) -> int:
+        windows = limit.window(t + max(offsets)) - limit.window(start + min(offsets))
+        return limit.capacity + windows * limit.rate
+
+    run_skewed_hosts(limit.fw, offsets, calls, start, bound)
+
+
 @SETTINGS
 @given(data=st.data())
 def test_5_token_bucket_no_lockout_after_a_backward_jump(data: st.DataObject) -> None:
     limit = data.draw(limits(), "limit")
     now = data.draw(times, "now")
     state = data.draw(tb_states(limit, now), "state")
-    jump = data.draw(st.one_of(st.integers(1, 10), st.integers(1, 10**6 * DAY)), "jump")
+    jump = data.draw(st.one_of(backs, st.integers(1, 10**6 * DAY)), "jump")
     count = data.draw(counts(limit), "count")
     back = state.ts - jump
     first = limit.tb(state, back, count)
     check_decision(limit, first)
     if first.allowed:
         return
+    # A jump within the tolerance (a lagging clock) stalls the refill by at most the jump;
+    # a longer one by nothing.
+    stall = jump if jump <= CLOCK_SKEW_TOLERANCE else 0
     assert first.retry_after is not None
-    assert first.retry_after <= limit.time_for(count)
+    assert first.retry_after <= stall + limit.time_for(count)
     rebased = store(state, first, count)
-    assert limit.tb(rebased, back + limit.time_for(count), count).allowed
+    assert limit.tb(rebased, back + stall + limit.time_for(count), count).allowed
 
 
 @SETTINGS
@@ -808,17 +904,18 @@ def test_5_fixed_window_no_lockout_after_a_backward_jump(data: st.DataObject) ->
     limit = data.draw(limits(), "limit")
     now = data.draw(times, "now")
     state = data.draw(fw_states(limit, now), "state")
-    jump = data.draw(st.one_of(st.integers(1, 10), st.integers(1, 10**6 * DAY)), "jump")
+    jump = data.draw(st.one_of(backs, st.integers(1, 10**6 * DAY)), "jump")
     count = data.draw(counts(limit), "count")
     back = state.ts - jump
     first = limit.fw(state, back, count)
     check_decision(limit, first)
     if first.allowed:
         return
+    stall = jump if jump <= CLOCK_SKEW_TOLERANCE else 0
     assert first.retry_after is not None
-    assert first.retry_after <= limit.windows_for(count) * limit.period
+    assert first.retry_after <= stall + limit.windows_for(count) * limit.period
     rebased = store(state, first, count)
-    assert limit.fw(rebased, back + limit.windows_for(count) * limit.period, count).allowed
+    assert limit.fw(rebased, back + stall + limit.windows_for(count) * limit.period, count).allowed
 
 
 # ---------------------------------------------------------------------------------------

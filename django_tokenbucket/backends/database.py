@@ -107,7 +107,7 @@ class DatabaseBackend(BaseBackend):
                 self._without_function.add(alias)
                 logger.warning(
                     "django_tokenbucket: the database %r has no function %s (run `manage.py migrate "
-                    "django_tokenbucket`); rate limits take the slower portable path until it does.",
+                    "django_tokenbucket`); this process takes the slower portable path until it restarts.",
                     alias,
                     FUNCTION_NAME,
                 )

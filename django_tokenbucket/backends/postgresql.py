@@ -2,7 +2,7 @@
 
 The portable path costs four round trips (BEGIN, SELECT ... FOR UPDATE, UPDATE, COMMIT)
 with the row locked throughout. Here one call of a server-side function, installed by
-migration 0004 from ``sql/postgresql_decide_v1.sql``, reads the rows, decides with the
+migration 0005 from ``sql/postgresql_decide_v2.sql``, reads the rows, decides with the
 database clock, and writes only when something changes (a denial or a check costs no
 WAL). The function is a port of ``algorithms`` and ``decide_all``;
 tests/test_pg_fast_path.py holds the two to the same answers.
@@ -18,17 +18,40 @@ from ..algorithms import Decision, lowest_value
 from ..config import FIXED_WINDOW
 from .base import Outcome, Request, RowId, row_id
 
-__all__ = ["FUNCTIONS_SQL", "FUNCTION_NAME", "UNDEFINED_FUNCTION", "decide_in_server", "drop_sql", "is_postgresql"]
+__all__ = [
+    "FUNCTIONS_SQL",
+    "FUNCTION_NAME",
+    "FUNCTION_VERSION",
+    "UNDEFINED_FUNCTION",
+    "decide_in_server",
+    "drop_sql",
+    "functions_sql",
+    "is_postgresql",
+]
 
-#: The function's versioned name: a change of behaviour ships as ``_v2`` with its own
-#: migration, so code and schema briefly out of step never disagree silently.
-FUNCTION_NAME = "django_tokenbucket_decide_v1"
-_STEP_FUNCTION_NAME = "django_tokenbucket_step_v1"
+#: The version of the functions this code calls. A change of behaviour ships as a new
+#: version with its own migration (0004 installed 1, 0005 installed 2 and removed 1), so
+#: code and schema briefly out of step never disagree silently: code that finds no
+#: function of its version takes the portable path.
+FUNCTION_VERSION = 2
 
-#: SQLSTATE of a call to a function that does not exist (migration 0004 not applied).
+
+def _names(version: int) -> tuple[str, str]:
+    return f"django_tokenbucket_decide_v{version}", f"django_tokenbucket_step_v{version}"
+
+
+FUNCTION_NAME = _names(FUNCTION_VERSION)[0]
+
+#: SQLSTATE of a call to a function that does not exist (the migration not applied).
 UNDEFINED_FUNCTION = "42883"
 
-FUNCTIONS_SQL = resources.files("django_tokenbucket").joinpath("sql/postgresql_decide_v1.sql").read_text()
+
+def functions_sql(version: int) -> str:
+    """Return the SQL that creates the functions of ``version`` (run by their migration)."""
+    return resources.files("django_tokenbucket").joinpath(f"sql/postgresql_decide_v{version}.sql").read_text()
+
+
+FUNCTIONS_SQL = functions_sql(FUNCTION_VERSION)
 
 _ARGUMENT_TYPES = (
     "text[], text[], text[], integer[], text[], bigint[], bigint[], bigint[], "
@@ -53,11 +76,12 @@ def is_postgresql(connection: Any) -> bool:
     return bool(connection.vendor == "postgresql" and connection.display_name == "PostgreSQL")
 
 
-def drop_sql() -> str:
-    """Return the SQL that removes the functions (migration 0004 reversed)."""
+def drop_sql(version: int = FUNCTION_VERSION) -> str:
+    """Return the SQL that removes the functions of ``version`` (their migration reversed)."""
+    decide, step = _names(version)
     return (
-        f"DROP FUNCTION IF EXISTS {FUNCTION_NAME}({_ARGUMENT_TYPES}); "
-        f"DROP FUNCTION IF EXISTS {_STEP_FUNCTION_NAME}({_STEP_ARGUMENT_TYPES});"
+        f"DROP FUNCTION IF EXISTS {decide}({_ARGUMENT_TYPES}); "
+        f"DROP FUNCTION IF EXISTS {step}({_STEP_ARGUMENT_TYPES});"
     )
 
 

@@ -403,9 +403,21 @@ for i = 1, n do
   }
 end
 
+-- algorithms.CLOCK_SKEW_TOLERANCE: a clock up to this far behind the stored time lags
+-- another host's; it decides at the stored time, and its non-zero waits are longer by the lag.
+local CLOCK_SKEW_TOLERANCE = 5000000
+
 local function decide(request, state, count, lowest)
-  if state then return request.algorithm(state[1], state[2], now, count, lowest, request) end
-  return request.algorithm(request.fresh_value, request.phase, now, count, lowest, request)
+  local value, ts = request.fresh_value, request.phase
+  if state then value, ts = state[1], state[2] end
+  local lag = sub(ts, now)
+  if cmp(lag, 0) <= 0 or cmp(lag, CLOCK_SKEW_TOLERANCE) > 0 then
+    return request.algorithm(value, ts, now, count, lowest, request)
+  end
+  local d = request.algorithm(value, ts, ts, count, lowest, request)
+  if d[3] ~= nil and cmp(d[3], 0) ~= 0 then d[3] = add(d[3], lag) end
+  if cmp(d[4], 0) ~= 0 then d[4] = add(d[4], lag) end
+  return d
 end
 
 local current, full_after = {}, {}

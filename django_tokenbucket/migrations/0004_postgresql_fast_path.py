@@ -4,13 +4,16 @@ from typing import Any
 
 from django.db import migrations
 
+#: Each migration installs the version it was written for, never the current one.
+VERSION = 1
+
 
 def install(apps: Any, schema_editor: Any) -> None:
-    from django_tokenbucket.backends.postgresql import FUNCTIONS_SQL, is_postgresql
+    from django_tokenbucket.backends.postgresql import functions_sql, is_postgresql
 
     if not is_postgresql(schema_editor.connection):
         return
-    schema_editor.execute(FUNCTIONS_SQL, params=None)
+    schema_editor.execute(functions_sql(VERSION), params=None)
 
 
 def uninstall(apps: Any, schema_editor: Any) -> None:
@@ -18,7 +21,7 @@ def uninstall(apps: Any, schema_editor: Any) -> None:
 
     if not is_postgresql(schema_editor.connection):
         return
-    schema_editor.execute(drop_sql(), params=None)
+    schema_editor.execute(drop_sql(VERSION), params=None)
 
 
 class Migration(migrations.Migration):

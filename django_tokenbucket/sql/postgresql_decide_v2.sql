@@ -1,0 +1,336 @@
+-- django_tokenbucket: one decision in one round trip on PostgreSQL (DatabaseBackend's fast path).
+--
+-- A port of algorithms.token_bucket, algorithms.fixed_window and backends.base.decide_all,
+-- in numeric so that products past 64 bits stay exact, as Python's integers are.
+-- tests/test_pg_fast_path.py replays generated traces through these functions and through
+-- Python and requires identical decisions, values, waits and stored states.
+--
+-- Installed by migration 0005 on PostgreSQL only (0004 installed _v1). A change of
+-- behaviour gets a new version (decide_v3) and a new migration, so that a deployment
+-- whose code and schema are briefly out of step never runs a function the code does not
+-- expect: code calling a version the schema lacks takes the portable path.
+--
+-- Since v1: a clock up to algorithms.CLOCK_SKEW_TOLERANCE behind the stored time decides
+-- at the stored time (pinned app clocks of skewed hosts can no longer mint tokens), and
+-- the rows a call created but did not write are removed in one place.
+--
+-- Why a function: the portable path costs BEGIN, SELECT ... FOR UPDATE, UPDATE and COMMIT,
+-- four round trips with the row locked for all of them. Here the limiter's call is one
+-- statement in autocommit:
+--   1. Read the rows without a lock and decide with the database clock read after them.
+--   2. Nothing to write (a denial, a check): return. The transaction gets no xid, so its
+--      commit writes no WAL and waits for no flush.
+--   3. One row to write: compare-and-set it (UPDATE ... WHERE value and ts are still what
+--      was read, or INSERT ... ON CONFLICT DO NOTHING for a new row). The UPDATE locks the
+--      row; if another decision committed in between, it matches nothing.
+--   4. Otherwise (several rows, or a lost compare-and-set): lock every row FOR UPDATE in
+--      the order given (the caller sorts them, as the portable path does, so the two
+--      paths cannot deadlock each other), read the clock again, decide and write. Under
+--      contention this is the portable path, run inside the server.
+
+CREATE OR REPLACE FUNCTION django_tokenbucket_step_v2(
+    kind text, rate numeric, period numeric, capacity numeric, lowest numeric, count numeric,
+    window_offset numeric, state_value numeric, state_ts numeric, now numeric,
+    OUT allowed boolean, OUT value numeric, OUT retry_after numeric, OUT full_after numeric,
+    OUT new_value numeric, OUT new_ts numeric
+) LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+-- One limit, one state: algorithms.token_bucket ('t') or algorithms.fixed_window ('f').
+-- lowest is how low the value may go (NULL: reservations uncapped). new_value/new_ts are
+-- the state to store, NULL when nothing changes. Divisors (rate, period) are positive, so
+-- floor division is div() less one where the remainder is negative, and a ceiling is
+-- div() plus one where it is positive.
+DECLARE
+    lag numeric := 0;
+    went_back boolean;
+    since numeric;
+    stored numeric;
+    gained numeric;
+    credited numeric;
+    current numeric;
+    current_ts numeric;
+    after numeric;
+    window_start numeric;
+    windows numeric;
+    target numeric;
+BEGIN
+    -- algorithms.CLOCK_SKEW_TOLERANCE: a clock up to this far behind the stored time lags
+    -- another host's. It decides at the stored time, and its non-zero waits are longer
+    -- by the lag.
+    IF now < state_ts AND now >= state_ts - 5000000 THEN
+        lag := state_ts - now;
+        now := state_ts;
+    END IF;
+    went_back := now < state_ts;
+
+    IF kind = 'f' THEN
+        window_start := now - (mod(now - window_offset, period)
+                               + CASE WHEN mod(now - window_offset, period) < 0 THEN period ELSE 0 END);
+        windows := GREATEST(0, div(window_start - state_ts, period)
+                               + CASE WHEN mod(window_start - state_ts, period) > 0 THEN 1 ELSE 0 END);
+        current := LEAST(capacity, state_value + windows * rate);
+        after := current - count;
+        allowed := lowest IS NULL OR after >= lowest;
+        IF allowed THEN
+            value := after;
+            new_value := after;
+            new_ts := window_start;
+        ELSE
+            value := current;
+            IF went_back THEN
+                new_value := LEAST(state_value, capacity);
+                new_ts := window_start;
+            END IF;
+        END IF;
+        -- time_to_reach(target) from the value now: whole windows until enough are credited.
+        target := CASE WHEN allowed THEN 0 ELSE count + lowest END;
+        IF NOT allowed OR after < 0 THEN
+            retry_after := CASE WHEN value >= target THEN 0 ELSE
+                window_start + (div(target - value, rate) + CASE WHEN mod(target - value, rate) > 0 THEN 1 ELSE 0 END)
+                               * period - now END;
+        END IF;
+        full_after := CASE WHEN value >= capacity THEN 0 ELSE
+            window_start + (div(capacity - value, rate) + CASE WHEN mod(capacity - value, rate) > 0 THEN 1 ELSE 0 END)
+                           * period - now END;
+    ELSE
+        -- A clock that jumped backwards credits nothing for the lost time, and measuring from
+        -- now keeps it from locking anybody out until it catches up.
+        since := CASE WHEN went_back THEN now ELSE state_ts END;
+        stored := LEAST(state_value, capacity);
+        gained := rate * (now - since);
+        credited := div(gained, period);
+        IF stored + credited >= capacity THEN
+            current := capacity;
+            current_ts := now;
+        ELSE
+            -- Keep the refill phase: date the value back by the time that earned its fraction.
+            current := stored + credited;
+            current_ts := now - div(gained - credited * period, rate);
+        END IF;
+        after := current - count;
+        allowed := lowest IS NULL OR after >= lowest;
+        IF allowed THEN
+            value := after;
+            new_value := after;
+            new_ts := current_ts;
+            IF after < 0 THEN
+                retry_after := current_ts + div(-after * period, rate)
+                               + CASE WHEN mod(-after * period, rate) > 0 THEN 1 ELSE 0 END - now;
+            END IF;
+            full_after := CASE WHEN after >= capacity THEN 0 ELSE
+                current_ts + div((capacity - after) * period, rate)
+                + CASE WHEN mod((capacity - after) * period, rate) > 0 THEN 1 ELSE 0 END - now END;
+        ELSE
+            -- Measured from the stored state, not the re-dated one, so the wait is exact.
+            value := current;
+            target := count + lowest;
+            retry_after := CASE WHEN stored >= target THEN 0 ELSE
+                since + div((target - stored) * period, rate)
+                + CASE WHEN mod((target - stored) * period, rate) > 0 THEN 1 ELSE 0 END - now END;
+            full_after := CASE WHEN stored >= capacity THEN 0 ELSE
+                since + div((capacity - stored) * period, rate)
+                + CASE WHEN mod((capacity - stored) * period, rate) > 0 THEN 1 ELSE 0 END - now END;
+            IF went_back THEN
+                new_value := stored;
+                new_ts := now;
+            END IF;
+        END IF;
+    END IF;
+
+    IF lag > 0 THEN
+        retry_after := CASE WHEN retry_after > 0 THEN retry_after + lag ELSE retry_after END;
+        full_after := CASE WHEN full_after > 0 THEN full_after + lag ELSE full_after END;
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION django_tokenbucket_decide_v2(
+    row_names text[], row_keys text[], row_labels text[],
+    request_rows integer[], kinds text[], rates bigint[], periods bigint[], capacities bigint[],
+    lowests bigint[], counts bigint[], window_offsets bigint[], fresh_values bigint[], fresh_ts bigint[],
+    apply boolean, pinned_now bigint, async_commit boolean
+) RETURNS TABLE (decided_at bigint, allowed numeric[], amounts numeric[], waits numeric[], full_waits numeric[])
+LANGUAGE plpgsql VOLATILE AS $$
+-- Decide every request all or nothing (backends.base.decide_all). Rows are distinct
+-- (name, key) pairs in locking order; request_rows[i] is the row of request i (1-based).
+-- lowests[i] NULL: reservations uncapped. pinned_now NULL: the database clock.
+-- Returns the time used and, per request, allowed (1/0), value, retry_after (NULL: None)
+-- and full_after.
+#variable_conflict use_column
+DECLARE
+    n_rows integer := cardinality(row_names);
+    n_requests integer := cardinality(request_rows);
+    locked boolean := false;
+    row_ids bigint[];
+    stored_values numeric[];
+    stored_ts numeric[];
+    current_values numeric[];
+    current_ts numeric[];
+    write_values numeric[];
+    write_ts numeric[];
+    rebased_values numeric[];
+    rebased_ts numeric[];
+    first_request integer[];
+    created boolean[];
+    out_allowed numeric[];
+    out_values numeric[];
+    out_waits numeric[];
+    out_full numeric[];
+    now numeric;
+    all_allowed boolean;
+    writing boolean;
+    found_id bigint;
+    found_value bigint;
+    found_ts bigint;
+    r integer;
+    i integer;
+    step record;
+BEGIN
+    FOR i IN 1..n_requests LOOP
+        IF first_request[request_rows[i]] IS NULL THEN
+            first_request[request_rows[i]] := i;
+        END IF;
+    END LOOP;
+
+    LOOP
+        FOR r IN 1..n_rows LOOP
+            found_id := NULL;
+            IF locked THEN
+                SELECT id, value, ts INTO found_id, found_value, found_ts
+                  FROM django_tokenbucket_ratelimit WHERE name = row_names[r] AND key = row_keys[r] FOR UPDATE;
+                IF found_id IS NULL THEN
+                    -- Created now, in locking order as the portable path does, so that
+                    -- it is locked too. Many callers may create it at once: one insert
+                    -- wins, and the others wait for it and then lock the row it made.
+                    INSERT INTO django_tokenbucket_ratelimit (name, key, label, value, ts)
+                    VALUES (row_names[r], row_keys[r], row_labels[r],
+                            fresh_values[first_request[r]], fresh_ts[first_request[r]])
+                    ON CONFLICT (name, key) DO NOTHING
+                    RETURNING id INTO found_id;
+                    IF found_id IS NOT NULL THEN
+                        -- Ours: decided as missing (each request's own fresh state) and
+                        -- deleted again below unless something is written to it.
+                        created[r] := true;
+                        found_value := NULL;
+                        found_ts := NULL;
+                    ELSE
+                        SELECT id, value, ts INTO found_id, found_value, found_ts
+                          FROM django_tokenbucket_ratelimit WHERE name = row_names[r] AND key = row_keys[r] FOR UPDATE;
+                        IF found_id IS NULL THEN
+                            RAISE EXCEPTION 'rate limit %: the row vanished while being created', row_names[r];
+                        END IF;
+                    END IF;
+                END IF;
+            ELSE
+                SELECT id, value, ts INTO found_id, found_value, found_ts
+                  FROM django_tokenbucket_ratelimit WHERE name = row_names[r] AND key = row_keys[r];
+            END IF;
+            row_ids[r] := found_id;
+            stored_values[r] := found_value;
+            stored_ts[r] := found_ts;
+        END LOOP;
+        -- Read after every row is read (or locked), so that no later decision can carry
+        -- an earlier time than the state it found.
+        now := COALESCE(pinned_now, (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::bigint);
+
+        current_values := stored_values;
+        current_ts := stored_ts;
+        rebased_values := array_fill(NULL::numeric, ARRAY[n_requests]);
+        rebased_ts := rebased_values;
+        all_allowed := true;
+        FOR i IN 1..n_requests LOOP
+            r := request_rows[i];
+            step := django_tokenbucket_step_v2(
+                kinds[i], rates[i], periods[i], capacities[i], lowests[i], counts[i], window_offsets[i],
+                COALESCE(current_values[r], fresh_values[i]), COALESCE(current_ts[r], fresh_ts[i]), now);
+            out_allowed[i] := CASE WHEN step.allowed THEN 1 ELSE 0 END;
+            out_values[i] := step.value;
+            out_waits[i] := step.retry_after;
+            out_full[i] := step.full_after;
+            IF step.allowed THEN
+                current_values[r] := step.new_value;
+                current_ts[r] := step.new_ts;
+            ELSE
+                all_allowed := false;
+                -- Only set where a clock went backwards: the state to store even so.
+                rebased_values[i] := step.new_value;
+                rebased_ts[i] := step.new_ts;
+            END IF;
+        END LOOP;
+
+        write_values := array_fill(NULL::numeric, ARRAY[n_rows]);
+        write_ts := write_values;
+        IF all_allowed THEN
+            FOR r IN 1..n_rows LOOP
+                IF current_values[r] IS NOT NULL
+                   AND (stored_values[r] IS NULL OR current_values[r] <> stored_values[r]
+                        OR current_ts[r] <> stored_ts[r]) THEN
+                    write_values[r] := current_values[r];
+                    write_ts[r] := current_ts[r];
+                END IF;
+            END LOOP;
+        ELSE
+            -- Denied: each request allowed alone is reported as its limit stands, and only
+            -- a state rebased after a backward clock jump is written.
+            FOR i IN 1..n_requests LOOP
+                r := request_rows[i];
+                IF out_allowed[i] = 1 THEN
+                    step := django_tokenbucket_step_v2(
+                        kinds[i], rates[i], periods[i], capacities[i], 0, 0, window_offsets[i],
+                        COALESCE(stored_values[r], fresh_values[i]), COALESCE(stored_ts[r], fresh_ts[i]), now);
+                    out_allowed[i] := CASE WHEN step.allowed THEN 1 ELSE 0 END;
+                    out_values[i] := step.value;
+                    out_waits[i] := step.retry_after;
+                    out_full[i] := step.full_after;
+                ELSIF rebased_values[i] IS NOT NULL THEN
+                    write_values[r] := rebased_values[i];
+                    write_ts[r] := rebased_ts[i];
+                END IF;
+            END LOOP;
+        END IF;
+
+        IF NOT apply THEN
+            write_values := array_fill(NULL::numeric, ARRAY[n_rows]);
+        END IF;
+        writing := cardinality(array_remove(write_values, NULL)) > 0;
+
+        IF writing AND async_commit THEN
+            -- Transaction-local: this statement's commit does not wait for the WAL flush.
+            PERFORM set_config('synchronous_commit', 'off', true);
+        END IF;
+
+        IF writing AND NOT locked THEN
+            IF n_rows = 1 THEN
+                IF row_ids[1] IS NULL THEN
+                    INSERT INTO django_tokenbucket_ratelimit (name, key, label, value, ts)
+                    VALUES (row_names[1], row_keys[1], row_labels[1], write_values[1], write_ts[1])
+                    ON CONFLICT (name, key) DO NOTHING;
+                ELSE
+                    UPDATE django_tokenbucket_ratelimit SET value = write_values[1], ts = write_ts[1]
+                     WHERE id = row_ids[1] AND value = stored_values[1] AND ts = stored_ts[1];
+                END IF;
+                IF FOUND THEN
+                    RETURN QUERY SELECT now::bigint, out_allowed, out_values, out_waits, out_full;
+                    RETURN;
+                END IF;
+            END IF;
+            -- Another decision got there first (or several rows must change together):
+            -- decide again under the row locks.
+            locked := true;
+            CONTINUE;
+        END IF;
+
+        -- Under the locks, or with nothing to write: store what changed, and remove the
+        -- rows this call created that it does not write (only ever made under the locks).
+        FOR r IN 1..n_rows LOOP
+            IF write_values[r] IS NOT NULL THEN
+                UPDATE django_tokenbucket_ratelimit SET value = write_values[r], ts = write_ts[r]
+                 WHERE id = row_ids[r];
+            ELSIF created[r] THEN
+                DELETE FROM django_tokenbucket_ratelimit WHERE id = row_ids[r];
+            END IF;
+        END LOOP;
+        RETURN QUERY SELECT now::bigint, out_allowed, out_values, out_waits, out_full;
+        RETURN;
+    END LOOP;
+END
+$$;
