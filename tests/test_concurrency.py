@@ -11,6 +11,7 @@ plan's nightly ones (tests/concurrency.py, ``sized``).
 from __future__ import annotations
 
 import bisect
+import multiprocessing
 import random
 import time
 from contextlib import suppress
@@ -24,11 +25,14 @@ from django.test import override_settings
 
 from django_tokenbucket import LimitRequest, clock, limiter
 from django_tokenbucket.backends import database as database_module
+from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends import postgresql as postgresql_module
+from django_tokenbucket.cleanup import cleanup
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
 
-from .concurrency import hammer, run_processes, sized, summarise
+from .concurrency import FIGURES, hammer, run_processes, sized, summarise
+from .redis_servers import keys_without_ttl
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True, databases="__all__")]
@@ -302,8 +306,6 @@ def test_h6_every_one_of_many_keys_stays_within_its_bound(request, backend):
     if backend == "database":
         figures["rows"] = RateLimit.objects.filter(name="h6").count()
         assert figures["rows"] == len({key for r in results for key, _, _ in r["picks"]})  # one row per key
-    from .concurrency import FIGURES
-
     FIGURES.append(figures)
     assert surfaced == [], surfaced[:3]
     # Hot keys were driven past their capacity, so the bound was tested, not idle.
@@ -399,3 +401,153 @@ def test_k3_skewed_app_clocks_mint_at_most_their_spread(request, backend):
     assert figures["admitted"] <= bound + 1e-6, figures
     # Nobody is locked out either: at least what one clock alone would admit.
     assert figures["admitted"] >= 0.9 * (capacity + rate * real_span), figures
+
+
+# ---------------------------------------------------------------------------------------
+# S6: a flood of distinct keys at full speed, then cleanup
+# ---------------------------------------------------------------------------------------
+
+# Each flood key takes its only token and is full (idle, as good as fresh) 1 s later.
+S6_LIMITS = {
+    "s6flood": {"kind": "token bucket", "rate": 1, "period": 1, "capacity": 1},
+    "s6hot": {"kind": "token bucket", "rate": 10, "period": 1, "capacity": 20},
+}
+
+
+def _s6_probe(until) -> dict:
+    """Decide one hot key in a closed loop until ``until()``: latencies and admissions."""
+    latencies, admitted_at, errors = [], [], []
+    while not until():
+        started = time.perf_counter()
+        try:
+            status = limiter.limit("s6hot", "hot")
+        except Exception as exc:  # surfaced to the caller: counted, never expected
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        latencies.append(time.perf_counter() - started)
+        if status.ok:
+            admitted_at.append(status.timestamp)
+    return {"latencies": latencies, "admitted_at": admitted_at, "errors": errors}
+
+
+def _s6_baseline(barrier, index, duration):
+    barrier.wait()
+    deadline = time.monotonic() + duration
+    return _s6_probe(lambda: time.monotonic() >= deadline)
+
+
+def _s6_flood(barrier, index, keys, flooders, finished):
+    """Process 0 probes the hot key until every other process has flooded its share of keys."""
+    barrier.wait()
+    if index == 0:
+        return _s6_probe(lambda: finished.value >= flooders)
+    denied, errors = 0, []
+    try:
+        for i in range(index - 1, keys, flooders):
+            try:
+                denied += not limiter.limit("s6flood", f"user{i}").ok
+            except Exception as exc:  # surfaced to the caller: counted, never expected
+                errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        with finished.get_lock():
+            finished.value += 1
+    return {"denied": denied, "errors": errors}
+
+
+def table_bytes() -> int:
+    """Return the rate-limit table's size with its indexes (SQLite: the whole database)."""
+    table = RateLimit._meta.db_table
+    connection = connections["default"]
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SELECT pg_total_relation_size(%s)", [table])
+        elif connection.vendor == "mysql":
+            cursor.execute(f"ANALYZE TABLE {table}")
+            cursor.fetchall()
+            cursor.execute(
+                "SELECT data_length + index_length FROM information_schema.tables "
+                "WHERE table_schema = DATABASE() AND table_name = %s",
+                [table],
+            )
+        else:
+            cursor.execute("SELECT page_count * page_size FROM pragma_page_count(), pragma_page_size()")
+        return int(cursor.fetchone()[0])
+
+
+def p99_ms(latencies: list[float]) -> float:
+    ordered = sorted(latencies)
+    return round(ordered[int(0.99 * (len(ordered) - 1))] * 1000, 2)
+
+
+S6_BACKENDS = ["database", pytest.param("redis", marks=pytest.mark.redis)]
+
+
+@pytest.mark.parametrize("backend", S6_BACKENDS)
+def test_s6_key_flood_then_cleanup(request, backend):
+    """10^6 distinct keys nightly (5,000 in CI) at full speed from several processes while
+    one process keeps deciding a hot key. Every flood key gets its row or key; cleanup
+    (the database's) or expiry (Redis') removes every one once idle; no Redis key is left
+    without a TTL; the hot key stays within its bound throughout."""
+    keys, flooders, baseline_s = sized(5_000, 1_000_000), sized(3, 7), sized(1.0, 5.0)
+    store = request.getfixturevalue("redis_store") if backend == "redis" else {"OPTIONS": {"DATABASE": "default"}}
+    tokenbucket = {**BASE_SETTINGS, **store, "LIMITS": {**BASE_SETTINGS["LIMITS"], **S6_LIMITS}}
+    figures: dict = {"case": "S6", "backend": settings.DB if backend == "database" else "redis", "keys": keys}
+    with override_settings(TOKENBUCKET=tokenbucket):
+        if backend == "database":
+            figures["table_bytes_before"] = table_bytes()
+        else:
+            client = get_backend().client()
+            pattern = f"{settings.CACHES['redis']['KEY_PREFIX']}:*tokenbucket:s6flood:*"
+            figures["redis_used_memory_before"] = client.info("memory")["used_memory"]
+        (baseline,) = run_processes(_s6_baseline, 1, baseline_s)
+        finished = multiprocessing.get_context("fork").Value("i", 0)
+        flood_started = time.monotonic()
+        results = run_processes(_s6_flood, flooders + 1, keys, flooders, finished, timeout=3600)
+        (probe,) = [r for r in results if "latencies" in r]
+        flood = [r for r in results if "denied" in r]
+        flood_s = time.monotonic() - flood_started
+        figures.update(
+            flooders=flooders,
+            flood_s=round(flood_s, 1),
+            flood_decisions_per_s=round(keys / flood_s),
+            hot_p99_ms_before=p99_ms(baseline["latencies"]),
+            hot_p99_ms_during=p99_ms(probe["latencies"]),
+            hot_decisions_before=len(baseline["latencies"]),
+            hot_decisions_during=len(probe["latencies"]),
+        )
+        figures["hot_p99_ratio"] = round(figures["hot_p99_ms_during"] / figures["hot_p99_ms_before"], 2)
+        surfaced = [e for r in (baseline, probe, *flood) for e in r["errors"]]
+        assert surfaced == [], surfaced[:3]
+        assert sum(r["denied"] for r in flood) == 0  # every flood key was fresh
+        hot = S6_LIMITS["s6hot"]
+        excess = max_window_excess(baseline["admitted_at"] + probe["admitted_at"], hot["capacity"], hot["rate"])
+        figures["hot_max_excess"] = round(excess, 6)
+        assert excess <= 1e-6
+        assert baseline["admitted_at"] and probe["admitted_at"]  # nobody was starved
+
+        if backend == "database":
+            figures["rows_after_flood"] = rows("s6flood", "default")
+            figures["table_bytes_after_flood"] = table_bytes()
+            assert figures["rows_after_flood"] == keys  # one row per key
+            time.sleep(1.2)  # every flood row is full again: idle
+            report = cleanup(names=["s6flood"])
+            figures.update(
+                rows_after_cleanup=rows("s6flood", "default"),
+                table_bytes_after_cleanup=table_bytes(),
+                cleanup_rows_per_s=round(report.rows_per_second),
+                cleanup_slowest_batch_ms=round(report.slowest_batch * 1000, 1),
+            )
+            assert report.deleted["s6flood"] == keys and report.complete
+            assert figures["rows_after_cleanup"] == 0
+        else:
+            live, immortal = keys_without_ttl(client, pattern)
+            figures.update(
+                redis_keys_after_flood=live,
+                redis_keys_without_ttl=immortal,
+                redis_used_memory_after_flood=client.info("memory")["used_memory"],
+            )
+            assert immortal == 0
+            time.sleep(1.2)  # every key expires once its bucket reads as full (1 s)
+            figures["redis_keys_after_expiry"] = keys_without_ttl(client, pattern)[0]
+            assert figures["redis_keys_after_expiry"] == 0
+    FIGURES.append(figures)
