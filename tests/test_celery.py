@@ -613,7 +613,10 @@ def test_killing_pool_processes_mid_task_still_gives_one_side_effect_each(worker
     # C2: SIGKILL the pool process running a task, repeatedly; its transaction dies with
     # it and reject_on_worker_lost puts the message back.
     n = 24 * SCALE
-    config = {"rate": 6, "period": 1, "capacity": 2, "max_reserved": n}
+    # ETAs spread over 8 s leave time for a few kills even when a loaded machine is slow
+    # to restart the pool; a few, so that the redeliveries do not outlast the wait.
+    config = {"rate": 3, "period": 1, "capacity": 2, "max_reserved": n}
+    most_kills = 4
     results = [schedule(record_effect.s(f"kill{i}", sleep=0.4), "celery_kill", "k", config=config) for i in range(n)]
     kills: list[int] = []
     stop = threading.Event()
@@ -621,7 +624,7 @@ def test_killing_pool_processes_mid_task_still_gives_one_side_effect_each(worker
     def killer() -> None:
         pause = 0.05
         try:
-            while not stop.wait(pause):
+            while len(kills) < most_kills and not stop.wait(pause):
                 done = {row[1] for row in effects()}
                 running = [d for d in deliveries_of(results) if d[0] not in done]
                 # The latest delivery still running in a live pool process; then a pause,
