@@ -158,7 +158,7 @@ def near_ties(draw):
 
 
 def _config(kind=TOKEN_BUCKET, **fields) -> LimitConfig:
-    return LimitConfig(name="x", kind=kind, **{"max_reserved": None, "start": None, **fields})
+    return LimitConfig(kind=kind, **{"name": "x", "max_reserved": None, "start": None, **fields})
 
 
 ALICE = encode_key("alice")
@@ -237,4 +237,22 @@ def window_move_trace() -> list:
         (MICRO, [Request(moved, ALICE, MICRO)], True),
         (-3 * MICRO, [Request(moved, ALICE, MICRO)], True),  # a lagging clock on a moved window
     ]
+    return trace
+
+
+def clock_skew_trace() -> list:
+    """Clocks exactly at, and one microsecond past, CLOCK_SKEW_TOLERANCE behind the stored
+    state, on a token bucket and a fixed window: the constant is written out again in
+    the Lua script and the SQL, and this holds the three to the same figure."""
+    bucket = _config(name="bucket", rate=MICRO, period=MICRO, capacity=10 * MICRO)
+    window = _config(FIXED_WINDOW, name="window", rate=5 * MICRO, period=10 * MICRO, capacity=8 * MICRO, start=0)
+    trace = []
+    for config in (bucket, window):
+        trace += [
+            (0, [Request(config, ALICE, 8 * MICRO)], True),
+            (-CLOCK_SKEW_TOLERANCE, [Request(config, ALICE, 5 * MICRO)], True),  # lagging: decided at ts
+            (0, [Request(config, ALICE, MICRO)], True),
+            (-1, [Request(config, ALICE, 5 * MICRO)], True),  # past it: a jump, rebased
+            (CLOCK_SKEW_TOLERANCE + 1, [Request(config, ALICE, 0)], False),
+        ]
     return trace

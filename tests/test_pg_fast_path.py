@@ -105,6 +105,10 @@ def test_plpgsql_and_python_agree_when_a_window_moves(backend):
     replay(backend, parity.T0_US, parity.window_move_trace())
 
 
+def test_plpgsql_and_python_agree_at_the_clock_skew_tolerance(backend):
+    replay(backend, parity.T0_US, parity.clock_skew_trace())
+
+
 def test_async_commit_decides_alike(async_backend):
     replay(async_backend, parity.T0_US, parity.window_move_trace())
 
@@ -214,6 +218,36 @@ def wal_flushes() -> int:
         cursor.execute("SELECT pg_stat_clear_snapshot()")
         cursor.execute("SELECT wal_sync FROM pg_stat_wal")
         return int(cursor.fetchone()[0])
+
+
+def index_entries_read() -> int:
+    """Return how many index entries of the rate-limit table the server has read so far."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(
+            "SELECT sum(idx_tup_read) FROM pg_stat_user_indexes WHERE relname = 'django_tokenbucket_ratelimit'"
+        )
+        return int(cursor.fetchone()[0])
+
+
+def test_a_connection_planned_on_an_empty_table_still_finds_rows_by_key(backend):
+    """PL/pgSQL keeps its plans for the life of a connection. Planned generically while the
+    table was empty, the lookup of (name, key) tied with the admin's (name, ts) index, and
+    a connection kept open (CONN_MAX_AGE) then read every row of the limit on each
+    decision as the table grew: O(rows), 14 ms a decision at 10^5 rows."""
+    with frozen_clock(T0):
+        for i in range(10):  # past PL/pgSQL's five custom plans, on the empty table
+            limiter.limit("ten_per_minute", f"early{i}")
+        with connection.cursor() as cursor:  # the same connection: the same cached plans
+            cursor.execute(
+                "INSERT INTO django_tokenbucket_ratelimit (name, key, label, value, ts) "
+                "SELECT 'ten_per_minute', md5(g::text), '', 0, 0 FROM generate_series(1, 20000) g"
+            )
+        before = index_entries_read()
+        for i in range(3):
+            assert limiter.limit("ten_per_minute", f"late{i}").ok
+        assert index_entries_read() - before < 50
 
 
 @pytest.mark.parametrize("options, most", [({}, None), ({"ASYNC_COMMIT": True}, 5)], ids=["durable", "async"])

@@ -110,6 +110,10 @@ def test_lua_and_python_agree_when_a_window_moves(backend):
     replay(backend, T0_US, parity.window_move_trace())
 
 
+def test_lua_and_python_agree_at_the_clock_skew_tolerance(backend):
+    replay(backend, T0_US, parity.clock_skew_trace())
+
+
 # ---------------------------------------------------------------------------------------
 # Keys and TTLs
 # ---------------------------------------------------------------------------------------

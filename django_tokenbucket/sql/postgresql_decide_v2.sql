@@ -11,8 +11,10 @@
 -- expect: code calling a version the schema lacks takes the portable path.
 --
 -- Since v1: a clock up to algorithms.CLOCK_SKEW_TOLERANCE behind the stored time decides
--- at the stored time (pinned app clocks of skewed hosts can no longer mint tokens), and
--- the rows a call created but did not write are removed in one place.
+-- at the stored time (pinned app clocks of skewed hosts can no longer mint tokens); the
+-- decide function plans its statements for every call (v1 could keep a plan that reads
+-- every row of a limit); the rows a call created but did not write are removed in one
+-- place.
 --
 -- Why a function: the portable path costs BEGIN, SELECT ... FOR UPDATE, UPDATE and COMMIT,
 -- four round trips with the row locked for all of them. Here the limiter's call is one
@@ -149,7 +151,12 @@ CREATE OR REPLACE FUNCTION django_tokenbucket_decide_v2(
     lowests bigint[], counts bigint[], window_offsets bigint[], fresh_values bigint[], fresh_ts bigint[],
     apply boolean, pinned_now bigint, async_commit boolean
 ) RETURNS TABLE (decided_at bigint, allowed numeric[], amounts numeric[], waits numeric[], full_waits numeric[])
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE
+-- PL/pgSQL keeps a connection's plans for its life. A generic plan made while the table
+-- was small can look (name, key) up through the (name, ts) index and read every row of
+-- the limit on each call as the table grows; custom plans see the table as it is.
+SET plan_cache_mode = force_custom_plan
+AS $$
 -- Decide every request all or nothing (backends.base.decide_all). Rows are distinct
 -- (name, key) pairs in locking order; request_rows[i] is the row of request i (1-based).
 -- lowests[i] NULL: reservations uncapped. pinned_now NULL: the database clock.
