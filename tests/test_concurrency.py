@@ -1,9 +1,10 @@
-"""Exactness with several OS processes (RELIABILITY-PLAN H1-H6, K3).
+"""Exactness with several OS processes (RELIABILITY-PLAN H1-H6, K3, S6).
 
 H1, H2, H3, H5 run on the env's database (SQLite with IMMEDIATE transactions, PostgreSQL
 READ COMMITTED, MariaDB) and, on PostgreSQL, again under SERIALIZABLE, where the
 limiter retries serialization failures itself. H4 (two limits in random order, with its
-unsorted negative control), H6 (many keys) and K3 (skewed app clocks) follow. Figures are
+unsorted negative control), H6 (many keys), K3 (skewed app clocks) and S6 (a key flood,
+then cleanup) follow. Figures are
 printed at the end of the run. Sizes are the PR tier; TOKENBUCKET_NIGHTLY=1 gives the
 plan's nightly ones (tests/concurrency.py, ``sized``).
 """

@@ -339,7 +339,9 @@ def test_f2_connections_cut_mid_decision_write_all_or_nothing():
     assert consumed["f2-a"] == consumed["f2-b"]  # never half-written
     assert admitted <= consumed["f2-a"] <= admitted + failed
     # Once the cuts stop, every process decides again: the broken connections were replaced.
-    assert all(r["after_cuts"] == [True] * AFTER_CUTS for r in results)
+    # The first call may still fail: a connection the last cut hit while it sat idle
+    # between two calls is only found dead when used (F1 without CONN_HEALTH_CHECKS).
+    assert all(r["after_cuts"][1:] == [True] * (AFTER_CUTS - 1) for r in results), [r["after_cuts"] for r in results]
     figure(
         "F2-cut",
         store=settings.DB,

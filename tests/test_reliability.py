@@ -1,12 +1,15 @@
 """Rows of the reliability plan that no other test file covered (see docs/reliability.md).
 
-- F1: the server drops the connection between the row lock and the write.
+- F1: the server drops the connection between the row lock and the write, or drops an
+  idle persistent connection (``CONN_MAX_AGE``, with and without ``CONN_HEALTH_CHECKS``).
 - F7/F8: statement and lock timeouts map to the fail mode, are not retried, and leave no
   partial write (MySQL's lock wait timeout rolls back only its statement).
 - F10: serialization failures injected after the write: each admitted decision still
   consumes exactly one token.
 - F11: an ambiguous commit (committed, but reported as failed) is never run again.
 - F12: a worker SIGKILLed while it holds the row lock blocks nobody once it is gone.
+- K4: a decision that waited for the row lock reads the store's time after the wait
+  (negative control: the statement's start time, which is older than the state).
 - H8: shadow mode replays a trace with the same would-deny decisions as enforcement.
 - K6: time zones and DST change no decision (all arithmetic is on epoch microseconds).
 - K7: integer micro-tokens admit exactly one request per refill interval; floats drift.
@@ -15,8 +18,9 @@
 
 Faults are caused for real on PostgreSQL and MariaDB (``pg_terminate_backend()``,
 ``KILL``, a lock held by a second connection, errors raised by the server itself);
-the test hook is a wrapper around one backend step. The clock is pinned, so every
-assertion is exact; the few durations measured are printed as figures, never asserted.
+the test hook is a wrapper around one backend step. The clock is pinned (K4 reads the
+store's own), so every assertion is exact; the few durations measured are printed as
+figures, never asserted.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import threading
 import time
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -31,7 +36,8 @@ from datetime import UTC, datetime
 import pytest
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db import connections, transaction
+from django.db import close_old_connections, connections, transaction
+from django.db.models.expressions import RawSQL
 from django.http import HttpResponse
 from django.test import override_settings
 
@@ -156,6 +162,7 @@ def test_f1_connection_killed_between_lock_and_write(side, monkeypatch, caplog, 
         [record] = warnings_of(caplog)
         message = record.getMessage()
         assert "'f1'" in message and encode_key("k").digest[:12] in message and "OperationalError" in message
+        assert "database 'default'" in message
         # The same thread's next call opens a new connection and decides normally.
         recovered = time.perf_counter()
         assert limiter.limit("f1", "k", config=CONFIG).value == 5
@@ -163,6 +170,54 @@ def test_f1_connection_killed_between_lock_and_write(side, monkeypatch, caplog, 
     figure(
         f"F1 {settings.DB} {'fail-open' if fail_open else 'fail-closed'}: state delta 0, warnings 1, "
         f"decision in {elapsed * 1000:.0f} ms, next call (reconnect) {recovery * 1000:.0f} ms"
+    )
+
+
+@contextmanager
+def persistent_connection(alias: str, *, health_checks: bool):
+    """Keep ``alias``'s connection across requests (``CONN_MAX_AGE``), as a deployment would."""
+    connection = connections[alias]
+    saved = {name: connection.settings_dict[name] for name in ("CONN_MAX_AGE", "CONN_HEALTH_CHECKS")}
+    connection.close()  # the next connection is opened under the new settings
+    connection.settings_dict.update(CONN_MAX_AGE=600, CONN_HEALTH_CHECKS=health_checks)
+    try:
+        yield connection
+    finally:
+        connection.settings_dict.update(saved)
+        connection.close()
+
+
+@pytest.mark.only_on("postgres", "mariadb")
+@pytest.mark.parametrize("health_checks", [True, False], ids=["health-checks", "no-health-checks"])
+def test_f1_a_persistent_connection_dropped_between_requests(side, caplog, health_checks):
+    """The server ends an idle persistent connection (a restart, a failover, an idle timeout).
+
+    With ``CONN_HEALTH_CHECKS`` Django finds the dead connection at the next request and
+    reconnects: nothing fails. Without, the first decision fails by the fail mode (one
+    warning) and the limiter closes the connection, so the decision after it succeeds.
+    """
+    with persistent_connection("default", health_checks=health_checks) as connection:
+        with tokenbucket(), frozen_clock(T0):
+            assert limiter.limit("f1-idle", "k", config=CONFIG).value == 9
+            kill_connection_of("default")
+            # What Django's handler does between two requests (the test client skips it).
+            close_old_connections()
+            assert connection.connection is not None  # kept: CONN_MAX_AGE has not run out
+            with caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
+                if health_checks:
+                    assert limiter.limit("f1-idle", "k", config=CONFIG).value == 8
+                    assert warnings_of(caplog) == []
+                else:
+                    with pytest.raises(BackendUnavailable, match="'f1-idle'"):
+                        limiter.limit("f1-idle", "k", config=CONFIG)
+                    [record] = warnings_of(caplog)
+                    assert "database 'default'" in record.getMessage()
+                    # No request boundary in between (a worker, a command): the limiter
+                    # closed the dead connection itself. 8, not 7: the failure wrote nothing.
+                    assert limiter.limit("f1-idle", "k", config=CONFIG).value == 8
+    figure(
+        f"F1-idle {settings.DB} CONN_MAX_AGE=600 CONN_HEALTH_CHECKS={health_checks}: "
+        f"decisions failed after the server dropped the idle connection: {0 if health_checks else 1}, then 0"
     )
 
 
@@ -174,6 +229,13 @@ TIMEOUTS = {
     # (setting SQL, reset SQL, expected error code)
     ("postgres", "statement"): ("SET statement_timeout = '100ms'", "RESET statement_timeout", "57014"),
     ("postgres", "lock"): ("SET lock_timeout = '50ms'", "RESET lock_timeout", "55P03"),
+    # Unlike innodb_lock_wait_timeout, max_statement_time takes fractions of a second and
+    # also interrupts a statement waiting for a row lock.
+    ("mariadb", "statement"): (
+        "SET SESSION max_statement_time = 0.1",
+        "SET SESSION max_statement_time = DEFAULT",
+        "1969",
+    ),
     ("mariadb", "lock"): (
         "SET SESSION innodb_lock_wait_timeout = 1",
         "SET SESSION innodb_lock_wait_timeout = DEFAULT",
@@ -350,6 +412,87 @@ def test_h8_shadow_mode_would_deny_equals_enforced_denials():
     figure(
         f"H8 {settings.DB}: {len(trace)} requests, enforced denied {len(denied)}, shadow would_deny {len(would_deny)}, shadow denied 0"
     )
+
+
+# ---------------------------------------------------------------------------------------
+# K4: the store's time is read once the row lock is granted
+# ---------------------------------------------------------------------------------------
+
+#: What the portable path reads (the control replaces it).
+STORE_NOW_SQL = dict(database_module._NOW_SQL)
+#: The negative control: the time the statement began (PostgreSQL's now() is even the
+#: transaction's), read before the lock wait instead of after it.
+STATEMENT_START_SQL = {
+    "postgresql": "(EXTRACT(EPOCH FROM now()) * 1000000)::bigint",
+    "mysql": "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)",
+}
+LOCK_WAITERS_SQL = {
+    "postgres": "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()",
+    "mariadb": "SELECT count(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'",
+}
+
+
+def wait_for_a_lock_waiter(waiter: threading.Thread, outcome: list[object]) -> None:
+    """Poll, from a connection outside any transaction, until a session waits for a row lock."""
+    deadline = time.monotonic() + 10
+    with connections["default"].cursor() as cursor:
+        while True:
+            cursor.execute(LOCK_WAITERS_SQL[settings.DB])
+            if cursor.fetchone()[0] > 0:
+                return
+            assert waiter.is_alive(), f"the decision ended without waiting for the row lock: {outcome}"
+            assert time.monotonic() < deadline, "the decision never waited for the row lock"
+            # InnoDB refreshes INNODB_TRX only when it was last read over 100 ms ago.
+            time.sleep(0.15)
+
+
+@pytest.mark.only_on("postgres", "mariadb")
+@pytest.mark.parametrize("control", [False, True], ids=["after-the-lock", "statement-start-control"])
+def test_k4_a_decision_that_waited_for_the_lock_reads_a_time_after_the_state(side, monkeypatch, control):
+    """A second session holds the row, and commits a state stamped with the store's time
+    while a decision waits for it. The decision's own time must not be older than that
+    state; a time read when its statement began (the control) is."""
+    if control:
+        monkeypatch.setattr(database_module, "_NOW_SQL", STATEMENT_START_SQL)
+    seen: list[tuple[int, int]] = []  # (decision time, stored ts) for each decision
+    decide_all = database_module.decide_all
+
+    def recording(requests, states, now):
+        seen.extend((now, state.ts) for state in states.values() if state is not None)
+        return decide_all(requests, states, now)
+
+    monkeypatch.setattr(database_module, "decide_all", recording)
+    outcome: list[object] = []
+
+    def decide_in_another_thread():
+        try:
+            outcome.append(limiter.limit("k4", "k", config=CONFIG))
+        except Exception as exc:  # reported by the assertion below, not lost in the thread
+            outcome.append(exc)
+        finally:
+            connections.close_all()
+
+    with tokenbucket(**PORTABLE):  # the store's clock, read by the locking statement
+        limiter.limit("k4", "k", config=CONFIG)
+        seen.clear()
+        with transaction.atomic(using=SIDE):
+            rows = RateLimit.objects.using(SIDE).select_for_update().filter(name="k4", key=encode_key("k").digest)
+            assert len(list(rows)) == 1
+            waiter = threading.Thread(target=decide_in_another_thread)
+            waiter.start()
+            wait_for_a_lock_waiter(waiter, outcome)
+            time.sleep(0.02)  # the store's clock moves on while the decision waits
+            # Another decision commits: its state is stamped with the store's time now.
+            stamp = RawSQL(STORE_NOW_SQL[connections[SIDE].vendor], ())
+            rows.update(ts=stamp)
+        waiter.join(timeout=10)
+    assert len(outcome) == 1 and not isinstance(outcome[0], Exception), outcome
+    [(now, stored_ts)] = seen
+    if control:
+        assert now < stored_ts  # stale by the lock wait: what the shipped SQL avoids
+    else:
+        assert now >= stored_ts
+    figure(f"K4 {settings.DB} {'statement start' if control else 'after the lock'}: decision time - stored ts = {(now - stored_ts) / 1000:.1f} ms")
 
 
 # ---------------------------------------------------------------------------------------
