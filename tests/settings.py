@@ -112,6 +112,12 @@ elif DB == "sqlite":
             "TEST": {"NAME": _path},
         }
     }
+    # The same file with Django's default DEFERRED transactions: H9's negative control.
+    DATABASES["deferred"] = {
+        **DATABASES["default"],
+        "OPTIONS": {**DATABASES["default"]["OPTIONS"], "transaction_mode": "DEFERRED"},
+        "TEST": {"MIRROR": "default"},
+    }
 else:
     raise RuntimeError(f"TOKENBUCKET_TEST_DB must be sqlite, postgres or mariadb, not {DB!r}")
 

@@ -1,8 +1,9 @@
-"""Exactness with several OS processes (RELIABILITY-PLAN H1-H6, K3, S6).
+"""Exactness with several OS processes (RELIABILITY-PLAN H1-H6, H9, K3, S6).
 
 H1, H2, H3, H5 run on the env's database (SQLite with IMMEDIATE transactions, PostgreSQL
 READ COMMITTED, MariaDB) and, on PostgreSQL, again under SERIALIZABLE, where the
-limiter retries serialization failures itself. H4 (two limits in random order, with its
+limiter retries serialization failures itself; on SQLite, H9 runs H1's calls again with
+DEFERRED transactions as the negative control. H4 (two limits in random order, with its
 unsorted negative control), H6 (many keys), K3 (skewed app clocks) and S6 (a key flood,
 then cleanup) follow. Figures are
 printed at the end of the run. Sizes are the PR tier; TOKENBUCKET_NIGHTLY=1 gives the
@@ -150,6 +151,29 @@ def test_h5_all_or_nothing_under_contention(alias):
         assert figures["admitted"] == 10
         assert limiter.get_value("h5-loose", "k", config=loose) == 990
         assert limiter.get_value("h5-tight", "k", config=tight) == 0
+
+
+@pytest.mark.only_on("sqlite")
+def test_h9_sqlite_needs_immediate_transactions():
+    """The negative control of H1-H5 on SQLite: DEFERRED transactions (W001) read first and
+    upgrade to a write lock later, which fails at once with 'database is locked' when
+    another process wrote in between; IMMEDIATE ones take the write lock at BEGIN and queue."""
+    config = {"rate": 100_000, "period": 3600}  # pinned clock: every call writes
+    runs = {}
+    for alias in ("default", "deferred"):
+        mode = connections[alias].settings_dict["OPTIONS"]["transaction_mode"]
+        with override_settings(TOKENBUCKET={**BASE_SETTINGS, "OPTIONS": {"DATABASE": alias}}):
+            call = partial(limiter.limit, f"h9-{mode}", "hot", config=config)
+            with frozen_clock(1_700_000_000):
+                results = run_processes(hammer, sized(PROCESSES, 32), call, 50, None)
+                left = limiter.get_value(f"h9-{mode}", "hot", config=config)
+        runs[mode] = figures = summarise(results, case="H9", backend="sqlite", transaction_mode=mode)
+        # Failed decisions wrote nothing: every admission, and nothing else, took a token.
+        assert figures["admitted"] == 100_000 - left, figures
+    assert runs["IMMEDIATE"]["surfaced_errors"] == 0, runs["IMMEDIATE"]["error_samples"]
+    assert runs["IMMEDIATE"]["admitted"] == runs["IMMEDIATE"]["attempts"]
+    assert runs["DEFERRED"]["surfaced_errors"] > 0, runs["DEFERRED"]
+    assert all("database is locked" in sample for sample in runs["DEFERRED"]["error_samples"]), runs["DEFERRED"]
 
 
 # ---------------------------------------------------------------------------------------
