@@ -14,7 +14,8 @@
 - K6: time zones and DST change no decision (all arithmetic is on epoch microseconds).
 - K7: integer micro-tokens admit exactly one request per refill interval; floats drift.
 - R2: hostile limit names still give RateLimit headers that parse as RFC 9651 lists.
-- S8: a limit on the global key is left out of the headers.
+- S8: a limit on the global key is left out of the headers; which requests refused with
+  401/403 cost a token (DRF's throttles: none; ``@ratelimit``: all).
 
 Faults are caused for real on PostgreSQL and MariaDB (``pg_terminate_backend()``,
 ``KILL``, a lock held by a second connection, errors raised by the server itself);
@@ -38,8 +39,13 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import close_old_connections, connections, transaction
 from django.db.models.expressions import RawSQL
-from django.http import HttpResponse
-from django.test import override_settings
+from django.http import HttpResponse, HttpResponseForbidden
+from django.test import RequestFactory, override_settings
+from rest_framework.authentication import BaseAuthentication
+from rest_framework.exceptions import AuthenticationFailed
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from django_tokenbucket import BackendUnavailable, LimitRequest, limiter, signals
 from django_tokenbucket.algorithms import MICRO
@@ -47,10 +53,12 @@ from django_tokenbucket.backends import database as database_module
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.database import DatabaseBackend, error_code
 from django_tokenbucket.config import parse_limit
+from django_tokenbucket.decorators import ratelimit
 from django_tokenbucket.http import ratelimit_headers
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
+from django_tokenbucket.throttling import AnonRateThrottle
 
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
@@ -618,6 +626,42 @@ def test_s8_a_global_limit_is_not_disclosed_in_the_headers():
     headers = ratelimit_headers([per_client, service_wide])
     assert [name for name, _ in parse_sf_list(headers["RateLimit-Policy"])] == ["s8-client"]
     assert "100000" not in "".join(headers.values())
+
+
+class _GuessableAuthentication(BaseAuthentication):
+    """Rejects every credential it is given, as a wrong API token would be."""
+
+    def authenticate(self, request):
+        if request.META.get("HTTP_AUTHORIZATION"):
+            raise AuthenticationFailed("bad credentials")
+        return None
+
+
+class _MembersOnly(APIView):
+    authentication_classes = [_GuessableAuthentication]
+    permission_classes = [IsAuthenticated]
+    throttle_classes = [AnonRateThrottle]
+
+    def get(self, request):
+        return Response({})
+
+
+@ratelimit("s8-forbidden", key="ip", rate="5/m")
+def _forbidden(request):
+    return HttpResponseForbidden()
+
+
+def test_s8_what_requests_refused_with_401_or_403_cost():
+    """DRF authenticates and checks permissions before it throttles, so its throttles never
+    see a refused request; ``@ratelimit`` decides before the view runs, so it counts them."""
+    factory = RequestFactory()
+    with frozen_clock(T0):
+        for headers in ({}, {"HTTP_AUTHORIZATION": "Token guess"}, {"HTTP_AUTHORIZATION": "Token guess-2"}):
+            assert _MembersOnly.as_view()(factory.get("/members/", **headers)).status_code in (401, 403)
+        assert not RateLimit.objects.filter(name="anon").exists()  # no token spent, no row
+        for _ in range(2):
+            assert _forbidden(factory.get("/forbidden/")).status_code == 403
+        assert list(RateLimit.objects.filter(name="s8-forbidden").values_list("value", flat=True)) == [3 * MICRO]
 
 
 # ---------------------------------------------------------------------------------------
