@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import warnings
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -618,21 +619,24 @@ def test_killing_pool_processes_mid_task_still_gives_one_side_effect_each(worker
     config = {"rate": 3, "period": 1, "capacity": 2, "max_reserved": n}
     most_kills = 4
     results = [schedule(record_effect.s(f"kill{i}", sleep=0.4), "celery_kill", "k", config=config) for i in range(n)]
-    kills: list[int] = []
+    killed: list[str] = []  # the reservation whose delivery was running in each killed process
     stop = threading.Event()
 
     def killer() -> None:
         pause = 0.05
         try:
-            while len(kills) < most_kills and not stop.wait(pause):
+            while len(killed) < most_kills and not stop.wait(pause):
+                # Deliveries first, then effects: a task that ends in between is not
+                # taken for a running one.
+                started = deliveries_of(results)
                 done = {row[1] for row in effects()}
-                running = [d for d in deliveries_of(results) if d[0] not in done]
+                running = [d for d in started if d[0] not in done]
                 # The latest delivery still running in a live pool process; then a pause,
                 # so that the pool is not killed faster than it recovers.
                 pause = 0.05
-                for _, _, pid in reversed(running):
+                for reservation, _, pid in reversed(running):
                     if worker.kill_child(pid):
-                        kills.append(pid)
+                        killed.append(reservation)
                         pause = 0.7
                         break
         finally:
@@ -647,13 +651,19 @@ def test_killing_pool_processes_mid_task_still_gives_one_side_effect_each(worker
         thread.join()
     time.sleep(1.0)
     runs = ran_once_each(results)
-    delivered = len(deliveries_of(results))
+    delivery_counts = Counter(d[0] for d in deliveries_of(results))
+    delivered = delivery_counts.total()
     assert sorted(len(rows) for rows in runs.values()) == [1] * n
-    assert len(kills) >= 2 and delivered >= n + 1
+    # A kill can still land just after its task ended; the ones that hit a running task
+    # show as a second delivery of that reservation. On a loaded machine the pool may
+    # recover too slowly for more than one of those before the work runs out.
+    killed_mid_task = [r for r in killed if delivery_counts[r] >= 2]
+    assert killed_mid_task, (killed, delivery_counts)
     record_figures(
         "C2 SIGKILL of pool processes mid-task",
         reservations=n,
-        kills=len(kills),
+        kills=len(killed),
+        reservations_killed_mid_task=len(set(killed_mid_task)),
         deliveries=delivered,
         duplicates_suppressed=delivered - n,
         side_effects=sum(len(rows) for rows in runs.values()),
