@@ -522,7 +522,9 @@ def test_s6_key_flood_then_cleanup(request, backend):
         hot = S6_LIMITS["s6hot"]
         excess = max_window_excess(baseline["admitted_at"] + probe["admitted_at"], hot["capacity"], hot["rate"])
         figures["hot_max_excess"] = round(excess, 6)
-        assert excess <= 1e-6
+        # Timestamps reach the test as float seconds (about 2.4e-7 s apart near 1.7e9):
+        # allow one microsecond of refill, the store's own resolution, and nothing more.
+        assert excess <= hot["rate"] * 1e-6, figures
         assert baseline["admitted_at"] and probe["admitted_at"]  # nobody was starved
 
         if backend == "database":
