@@ -171,7 +171,7 @@ def check_database(app_configs: Any = None, databases: Any = None, **kwargs: Any
     """
     from django.db import connections, router
 
-    from .backends.database import OPTION_DEFAULTS
+    from .backends.database import OPTION_DEFAULTS, timeout_option
     from .models import RateLimit
 
     user = getattr(settings, "TOKENBUCKET", {})
@@ -198,6 +198,10 @@ def check_database(app_configs: Any = None, databases: Any = None, **kwargs: Any
                     id="django_tokenbucket.E014",
                 )
             )
+    try:
+        timeout_option(options.get("TIMEOUT"))
+    except ValueError as exc:
+        messages.append(checks.Error(str(exc), id="django_tokenbucket.E015"))
     alias = options.get("DATABASE") or router.db_for_write(RateLimit)
     if alias not in settings.DATABASES:
         messages.append(

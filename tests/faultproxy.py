@@ -102,8 +102,13 @@ class _Pair:
                     break
                 if replies:
                     self.replies.put((time.monotonic() + proxy.latency, data))
-                else:
-                    target.sendall(data)
+                    continue
+                # Bytes read while a black hole began (select() was already waiting)
+                # are held too, or a statement sent after blackhole() would still pass.
+                while not proxy._flowing.wait(_POLL):
+                    if self.closed.is_set():
+                        return
+                target.sendall(data)
         except (OSError, ValueError):
             pass
         self.close()

@@ -296,6 +296,23 @@ def test_database_flags_as_bools_are_fine():
         assert our_messages() == []
 
 
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), True, "2", [2]])
+def test_database_timeout_must_be_positive_seconds_e015(value):
+    with override_settings(TOKENBUCKET=tokenbucket(OPTIONS={"DATABASE": "unreachable", "TIMEOUT": value})):
+        messages = our_messages()
+        assert ids(messages) == ["django_tokenbucket.E015"]
+        assert "'TIMEOUT'" in messages[0].msg and repr(value) in messages[0].msg
+        # Projects that skip the checks meet the same message at the first decision.
+        with pytest.raises(ImproperlyConfigured, match=r"'TIMEOUT'.*positive number of seconds"):
+            limiter.get_value("ten_per_minute", "k")
+
+
+@pytest.mark.parametrize("value", [None, 0.5, 3])
+def test_database_timeout_in_seconds_is_fine(value):
+    with override_settings(TOKENBUCKET=tokenbucket(OPTIONS={"DATABASE": "unreachable", "TIMEOUT": value})):
+        assert our_messages() == []
+
+
 def test_non_sqlite_database_gives_no_w001():
     # 'unreachable' is a PostgreSQL alias; the check reads its vendor without connecting.
     with override_settings(TOKENBUCKET=tokenbucket(OPTIONS={"DATABASE": "unreachable"})):

@@ -19,12 +19,12 @@ import multiprocessing
 import socket
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import pytest
 from django.conf import settings
-from django.db import connections
+from django.db import connections, transaction
 from django.test import Client, override_settings
 
 from django_tokenbucket import BackendUnavailable, LimitRequest, limiter, signals
@@ -267,6 +267,52 @@ def test_f2_a_connection_that_stalls_is_bounded_by_the_read_timeout():
     # The client library may retry a read that timed out, up to three attempts in all.
     assert elapsed <= 3 * read_timeout + SLACK_S
     figure("F2-stall", store=settings.DB, read_timeout_s=read_timeout, failed_after_ms=round(elapsed * 1000))
+
+
+NO_ANSWER = r"database 'proxied': no answer within TIMEOUT = 0.5 s; the connection was closed"
+
+
+@pytest.mark.only_on("postgres", "mariadb")
+@pytest.mark.parametrize(
+    "fail_open, in_callers_transaction",
+    [(False, False), (True, False), (False, True)],
+    ids=["fail-closed", "fail-open", "callers-transaction"],
+)
+def test_f2_timeout_bounds_a_connection_that_stalls(fail_open, in_callers_transaction):
+    """The backend's TIMEOUT ends the wait where the driver has no read timeout (psycopg)."""
+    timeout = 0.5
+    config = {"rate": 10, "period": 60}
+    options = {"OPTIONS": {"DATABASE": "proxied", "TIMEOUT": timeout}, "FAIL_OPEN": fail_open}
+    with database_behind_proxy(**options) as proxy, frozen_clock(T0):
+        assert limiter.limit("f2-timeout", "k", config=config).value == 9  # the connection is open
+        before = stored_state("database")
+        failure = nullcontext() if fail_open else pytest.raises(BackendUnavailable, match=NO_ANSWER)
+        with failure, transaction.atomic(using="proxied") if in_callers_transaction else nullcontext():
+            # The caller's transaction is open on the server before the route stalls.
+            RateLimit.objects.using("proxied").filter(name="f2-timeout").count()
+            proxy.blackhole()
+            started = time.perf_counter()
+            status = limiter.limit("f2-timeout", "k", config=config)
+        if fail_open:
+            assert status.ok and status.failed_open
+        elapsed = time.perf_counter() - started
+        assert stored_state("database") == before
+        # What the proxy holds of the abandoned statement would reach the server once
+        # traffic flows again, and might commit there (docs/reliability.md, weakness 8):
+        # the proxy's connections go, and with them what they held.
+        proxy.drop()
+        proxy.resume()
+        # The stalled connection was closed: the next call reconnects and decides.
+        assert limiter.limit("f2-timeout", "k", config=config).value == 8
+    assert timeout <= elapsed <= timeout + SLACK_S
+    figure(
+        "F2-timeout",
+        store=settings.DB,
+        fail_mode="open" if fail_open else "closed",
+        in_callers_transaction=in_callers_transaction,
+        timeout_s=timeout,
+        failed_after_ms=round(elapsed * 1000),
+    )
 
 
 # ---------------------------------------------------------------------------------------

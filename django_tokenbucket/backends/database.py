@@ -12,13 +12,16 @@ server-side function (``postgresql.decide_in_server``): one round trip, same ans
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections, router, transaction
 from django.db.models.expressions import RawSQL
 
@@ -29,9 +32,10 @@ from ..config import LimitConfig
 from ..keys import EncodedKey
 from ..models import RateLimit
 from .base import BackendError, BaseBackend, Outcome, Request, RowId, decide_all, row_id
+from .deadline import Watch, watching
 from .postgresql import FUNCTION_NAME, UNDEFINED_FUNCTION, decide_in_server, is_postgresql
 
-__all__ = ["OPTION_DEFAULTS", "RETRYABLE_ERRORS", "DatabaseBackend", "error_code"]
+__all__ = ["OPTION_DEFAULTS", "RETRYABLE_ERRORS", "DatabaseBackend", "error_code", "timeout_option"]
 
 logger = logging.getLogger("django_tokenbucket")
 
@@ -49,7 +53,18 @@ RETRYABLE_ERRORS = frozenset({"40001", "40P01", "23505", "1213", "1020"})
 
 
 #: The database backend's ``OPTIONS`` and their defaults (docs/settings.md).
-OPTION_DEFAULTS: dict[str, Any] = {"DATABASE": None, "FAST_PATH": True, "ASYNC_COMMIT": False}
+OPTION_DEFAULTS: dict[str, Any] = {"DATABASE": None, "FAST_PATH": True, "ASYNC_COMMIT": False, "TIMEOUT": None}
+
+
+def timeout_option(value: Any) -> float | None:
+    """Validate the ``TIMEOUT`` option: ``None`` or a positive, finite number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"TOKENBUCKET['OPTIONS']['TIMEOUT'] must be None or a positive number of seconds, not {value!r}."
+        )
+    return float(value)
 
 
 def error_code(exc: BaseException) -> str | None:
@@ -70,7 +85,9 @@ class DatabaseBackend(BaseBackend):
     Options: ``DATABASE``, the alias to use (default: the router's choice for writes
     of ``RateLimit``); ``FAST_PATH`` (default True), one round trip per decision on
     PostgreSQL when the limiter owns the transaction; ``ASYNC_COMMIT`` (default False),
-    let those transactions commit without waiting for the WAL flush.
+    let those transactions commit without waiting for the WAL flush; ``TIMEOUT``
+    (default None), the seconds after which a decision still waiting on the database
+    gives up its connection and takes the fail mode.
     """
 
     def __init__(self, options: Mapping[str, Any]) -> None:
@@ -78,6 +95,10 @@ class DatabaseBackend(BaseBackend):
         self.database: str | None = self.options.get("DATABASE")
         self.fast_path = bool(self.options.get("FAST_PATH", OPTION_DEFAULTS["FAST_PATH"]))
         self.async_commit = bool(self.options.get("ASYNC_COMMIT", OPTION_DEFAULTS["ASYNC_COMMIT"]))
+        try:
+            self.timeout = timeout_option(self.options.get("TIMEOUT"))
+        except ValueError as exc:
+            raise ImproperlyConfigured(str(exc)) from None
         #: Aliases whose database lacks the fast path's function (migration 0004 not
         #: applied): they take the portable path from then on.
         self._without_function: set[str] = set()
@@ -146,18 +167,25 @@ class DatabaseBackend(BaseBackend):
             )
 
     def _run(self, alias: str, work: Callable[[], Outcome], *, write: bool, atomic: bool = True) -> Outcome:
+        connection = connections[alias]
+        watch = None
         try:
-            if not write:
-                return work()
-            if connections[alias].in_atomic_block:
-                # Join the caller's transaction through a savepoint. A serialization
-                # failure here cannot be retried: only the caller can rerun its
-                # transaction, so it propagates as it is.
-                with transaction.atomic(using=alias):
+            with self._deadline(alias) as watch:
+                if not write:
                     return work()
-            return self._retrying(alias, work, atomic=atomic)
+                if connection.in_atomic_block:
+                    # Join the caller's transaction through a savepoint. A serialization
+                    # failure here cannot be retried: only the caller can rerun its
+                    # transaction, so it propagates as it is.
+                    with transaction.atomic(using=alias):
+                        return work()
+                return self._retrying(alias, work, atomic=atomic)
         except DatabaseError as exc:
-            connection = connections[alias]
+            if watch is not None and watch.fired:
+                connection.close()
+                raise BackendError(
+                    f"database {alias!r}: no answer within TIMEOUT = {self.timeout:g} s; the connection was closed"
+                ) from exc
             if connection.in_atomic_block:
                 if error_code(exc) in RETRYABLE_ERRORS:
                     raise
@@ -166,6 +194,26 @@ class DatabaseBackend(BaseBackend):
                 # thread outside a request cycle; Django reconnects once it is closed.
                 connection.close_if_unusable_or_obsolete()
             raise BackendError(f"database {alias!r}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if watch is not None and watch.fired and connection.connection is not None:
+                # The answer came just as the deadline passed: the decision stands, but
+                # its socket is shut down, so the connection must not be used again.
+                connection.close()
+
+    @contextmanager
+    def _deadline(self, alias: str) -> Iterator[Watch | None]:
+        if self.timeout is None:
+            yield None
+            return
+        connection = connections[alias]
+        # Connecting is bounded by the driver's connect_timeout; only then is there a socket.
+        connection.ensure_connection()
+        fileno = getattr(connection.connection, "fileno", None)
+        if fileno is None:  # SQLite: no server to stall
+            yield None
+            return
+        with watching(fileno(), self.timeout) as watch:
+            yield watch
 
     def reset(self, config: LimitConfig, key: EncodedKey) -> None:
         alias = self.alias()
