@@ -399,6 +399,7 @@ class Limiter:
                     names=[r.config.name for r in requests],
                     exception=exc,
                     fail_open=fail_open,
+                    ambiguous=exc.ambiguous,
                 )
             # At most one warning per limit per LOG_INTERVAL: a store outage fails every
             # request at once, and the signal above is there for counting them all.

@@ -17,6 +17,8 @@ rate_limit_denied = Signal()
 
 #: The store failed, on any call (reads such as ``check()`` and ``get_value()`` too).
 #: Extra arguments: ``names`` (the limits of the call), ``exception`` (the library's
-#: ``BackendError``; the driver's exception is its ``__cause__``) and ``fail_open``
-#: (whether the call was allowed anyway).
+#: ``BackendError``; the driver's exception is its ``__cause__``), ``fail_open``
+#: (whether the call was allowed anyway) and ``ambiguous`` (the store may have applied
+#: the call all the same: its answer was lost after the request was sent; count these
+#: as spent tokens).
 rate_limit_backend_error = Signal()

@@ -89,6 +89,7 @@ def hammer(
             counter.clear()
     admitted = denied = 0
     timestamps: list[float] = []
+    admitted_at: list[float] = []
     latencies: list[float] = []
     retries_per_call: list[int] = []
     errors: list[str] = []
@@ -109,6 +110,7 @@ def hammer(
         timestamps.append(status.timestamp)
         if status.ok:
             admitted += 1
+            admitted_at.append(status.timestamp)
         else:
             denied += 1
     return {
@@ -116,6 +118,7 @@ def hammer(
         "denied": denied,
         "attempts": made,
         "timestamps": timestamps,
+        "admitted_at": admitted_at,
         "latencies": latencies,
         "retries_per_call": retries_per_call,
         "retried": dict(retried or {}),

@@ -49,8 +49,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # collected (rather than skipped) elsewhere: every collected test runs.
     kept, deselected = [], []
     for item in items:
-        marker = item.get_closest_marker("only_on")
-        (deselected if marker and db not in marker.args else kept).append(item)
+        # Every only_on applies (a parameter's narrows its test's).
+        allowed = all(db in marker.args for marker in item.iter_markers("only_on"))
+        (kept if allowed else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = kept

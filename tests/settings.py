@@ -76,7 +76,12 @@ if DB == "postgres":
         # distributed SQL, which raises 40001 the same way CockroachDB does.
         "serializable": {
             **_pg,
-            "OPTIONS": {"isolation_level": IsolationLevel.SERIALIZABLE},
+            # isolation_level applies to the transactions psycopg opens; a statement in
+            # autocommit (the PostgreSQL fast path) takes the session's default.
+            "OPTIONS": {
+                "isolation_level": IsolationLevel.SERIALIZABLE,
+                "options": "-c default_transaction_isolation=serializable",
+            },
             "TEST": {"MIRROR": "default"},
         },
     }

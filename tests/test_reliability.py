@@ -160,8 +160,10 @@ def test_f1_connection_killed_between_lock_and_write(side, monkeypatch, caplog, 
                 status = limiter.limit("f1", "k", config=CONFIG)
                 assert status.ok and status.failed_open and status.value is None
             else:
-                with pytest.raises(BackendUnavailable, match="'f1'"):
+                with pytest.raises(BackendUnavailable, match="'f1'") as failure:
                     limiter.limit("f1", "k", config=CONFIG)
+                # Killed before its COMMIT: the server rolled back, nothing is ambiguous.
+                assert failure.value.__cause__.ambiguous is False
         elapsed = time.perf_counter() - started
         monkeypatch.undo()
 
@@ -372,9 +374,11 @@ def test_f10_retries_exhausted_apply_the_fail_mode_and_write_nothing(inject):
         before = stored("f10", "k")
         gave_up = backend.gave_up[code]
         inject["left"] = 3
-        with pytest.raises(BackendUnavailable):
+        with pytest.raises(BackendUnavailable) as failure:
             limiter.limit("f10", "k", config=config)
         assert backend.gave_up[code] == gave_up + 1
+        # The server reported the error and rolled back: nothing can have been applied.
+        assert failure.value.__cause__.ambiguous is False
         assert stored("f10", "k") == before
         with override_settings(TOKENBUCKET={**settings.TOKENBUCKET, "FAIL_OPEN": True, **PORTABLE}):
             inject["left"] = 3
@@ -685,8 +689,8 @@ def test_f11_an_ambiguous_commit_is_never_rerun(monkeypatch, sqlstate, fail_open
     connection = connections["default"]
     errors = []
 
-    def count(sender, exception, **kwargs):
-        errors.append(exception)
+    def count(sender, exception, ambiguous, **kwargs):
+        errors.append((exception, ambiguous))
 
     with tokenbucket(FAIL_OPEN=fail_open, **PORTABLE) as backend, frozen_clock(T0):
         limiter.limit("f11", "k", config=CONFIG)
@@ -714,6 +718,7 @@ def test_f11_an_ambiguous_commit_is_never_rerun(monkeypatch, sqlstate, fail_open
             signals.rate_limit_backend_error.disconnect(count)
             monkeypatch.undo()
         assert ambiguous == [True] and len(errors) == 1  # counted, through the signal
+        assert errors[0][1] is True  # and marked as maybe applied
         assert sum(backend.retried.values()) == retried  # not re-run
         value, _ts = stored("f11", "k")
         assert value == before[0] - MICRO  # consumed once: over-consumption <= ambiguous events (1)

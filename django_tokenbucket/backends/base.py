@@ -35,7 +35,18 @@ class Outcome:
 
 
 class BackendError(Exception):
-    """The store failed; the limiter applies the configured fail mode."""
+    """The store failed; the limiter applies the configured fail mode.
+
+    ``ambiguous`` is true when a write may have been applied all the same: the request
+    reached the store (or may have) and its answer was lost, as when a connection dies
+    during a COMMIT or while one autocommit statement runs, or a Redis reply comes
+    after the socket timeout. Such a call is never run again (it could spend twice);
+    its tokens count as spent.
+    """
+
+    def __init__(self, message: str, *, ambiguous: bool = False) -> None:
+        super().__init__(message)
+        self.ambiguous = ambiguous
 
 
 def row_id(request: Request) -> RowId:

@@ -35,7 +35,7 @@ from .base import BackendError, BaseBackend, Outcome, Request, RowId, decide_all
 from .deadline import Watch, watching
 from .postgresql import FUNCTION_NAME, UNDEFINED_FUNCTION, decide_in_server, is_postgresql
 
-__all__ = ["OPTION_DEFAULTS", "RETRYABLE_ERRORS", "DatabaseBackend", "error_code", "timeout_option"]
+__all__ = ["OPTION_DEFAULTS", "RETRYABLE_ERRORS", "DatabaseBackend", "error_code", "lost_answer", "timeout_option"]
 
 logger = logging.getLogger("django_tokenbucket")
 
@@ -65,6 +65,23 @@ def timeout_option(value: Any) -> float | None:
             f"TOKENBUCKET['OPTIONS']['TIMEOUT'] must be None or a positive number of seconds, not {value!r}."
         )
     return float(value)
+
+
+def lost_answer(exc: BaseException) -> bool:
+    """Whether a database error says nothing of what the server did with the statement.
+
+    A server that reports an error (it has a SQLSTATE, or a MySQL server error number)
+    rolled the statement back; a connection that failed (no code, SQLSTATE class 08,
+    MySQL client errors 2000-2999 such as 2013 "Lost connection") tells nothing, and
+    neither does 40003, "statement completion unknown" (CockroachDB's ambiguous result).
+    """
+    code = error_code(exc)
+    return (
+        code is None
+        or code.startswith("08")
+        or code == "40003"
+        or (code.isdigit() and 2000 <= int(code) < 3000)
+    )
 
 
 def error_code(exc: BaseException) -> str | None:
@@ -169,22 +186,39 @@ class DatabaseBackend(BaseBackend):
     def _run(self, alias: str, work: Callable[[], Outcome], *, write: bool, atomic: bool = True) -> Outcome:
         connection = connections[alias]
         watch = None
+        maybe_applied = False
+
+        def attempt() -> Outcome:
+            nonlocal maybe_applied
+            # One autocommit statement may commit on the server although its answer is
+            # lost; a transaction of the limiter's own, once its COMMIT is on the way.
+            maybe_applied = write and not atomic
+            outcome = work()
+            maybe_applied = write
+            return outcome
+
         try:
             with self._deadline(alias) as watch:
-                if not write:
-                    return work()
                 if connection.in_atomic_block:
+                    if not write:
+                        return work()
                     # Join the caller's transaction through a savepoint. A serialization
                     # failure here cannot be retried: only the caller can rerun its
                     # transaction, so it propagates as it is.
                     with transaction.atomic(using=alias):
                         return work()
-                return self._retrying(alias, work, atomic=atomic)
+                # A read is retried too: it writes nothing, and on SERIALIZABLE even a
+                # read can fail with 40001.
+                return self._retrying(alias, attempt, atomic=atomic and write)
         except DatabaseError as exc:
+            # Inside the caller's transaction nothing is committed yet: a lost connection
+            # rolls it all back, so there maybe_applied stays false.
+            ambiguous = maybe_applied and lost_answer(exc)
             if watch is not None and watch.fired:
                 connection.close()
                 raise BackendError(
-                    f"database {alias!r}: no answer within TIMEOUT = {self.timeout:g} s; the connection was closed"
+                    f"database {alias!r}: no answer within TIMEOUT = {self.timeout:g} s; the connection was closed",
+                    ambiguous=ambiguous,
                 ) from exc
             if connection.in_atomic_block:
                 if error_code(exc) in RETRYABLE_ERRORS:
@@ -193,7 +227,7 @@ class DatabaseBackend(BaseBackend):
                 # A connection the server dropped would fail every later call of this
                 # thread outside a request cycle; Django reconnects once it is closed.
                 connection.close_if_unusable_or_obsolete()
-            raise BackendError(f"database {alias!r}: {type(exc).__name__}: {exc}") from exc
+            raise BackendError(f"database {alias!r}: {type(exc).__name__}: {exc}", ambiguous=ambiguous) from exc
         finally:
             if watch is not None and watch.fired and connection.connection is not None:
                 # The answer came just as the deadline passed: the decision stands, but

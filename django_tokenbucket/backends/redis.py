@@ -41,7 +41,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     ) from exc
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .. import clock
 from ..algorithms import Decision, State
@@ -201,7 +203,7 @@ class RedisBackend(BaseBackend):
                 self._check_slots(connection.client, keys, requests)
             reply = self._run(connection.client, keys, argv)
         except (RedisError, RedisClusterException, OSError) as exc:
-            raise self._failed(exc) from exc
+            raise self._failed(exc, ambiguous=apply and self._script_may_have_run(exc)) from exc
         return self._outcome(reply, len(requests))
 
     def reset(self, config: LimitConfig, key: EncodedKey) -> None:
@@ -227,9 +229,16 @@ class RedisBackend(BaseBackend):
 
     # -- internals ------------------------------------------------------------------------
 
-    def _failed(self, exc: BaseException) -> BackendError:
+    def _failed(self, exc: BaseException, *, ambiguous: bool = False) -> BackendError:
         self.errors[type(exc).__name__] += 1
-        return BackendError(f"{type(exc).__name__}: {exc}")
+        return BackendError(f"{type(exc).__name__}: {exc}", ambiguous=ambiguous)
+
+    @staticmethod
+    def _script_may_have_run(exc: BaseException) -> bool:
+        """Whether the command may have reached Redis: its reply timed out or the
+        connection dropped while waiting for it. redis-py says "connecting" when the
+        connection could not be made, so nothing was sent."""
+        return isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and "connecting" not in str(exc)
 
     def _connect(self) -> _Connection:
         """Return the client and key prefix of the cache, loaded again after CACHES changed.
