@@ -35,6 +35,7 @@ def socket_pair():
 
 def test_a_read_with_nothing_to_read_ends_at_the_deadline(socket_pair):
     waiting, _peer = socket_pair()
+    waiting.settimeout(5)  # a watchdog that never fires fails the test instead of hanging it
     started = time.monotonic()
     with watching(waiting.fileno(), 0.2) as watch:
         assert waiting.recv(1) == b""  # shut down: end of stream instead of waiting for ever
@@ -45,9 +46,10 @@ def test_a_read_with_nothing_to_read_ends_at_the_deadline(socket_pair):
 
 def test_a_block_that_ends_in_time_leaves_the_socket_alone(socket_pair):
     mine, peer = socket_pair()
-    with watching(mine.fileno(), 0.1) as watch:
+    # Far enough that a busy machine does not reach it before the block ends.
+    with watching(mine.fileno(), 2.0) as watch:
         mine.sendall(b"ping")
-    time.sleep(0.3)  # well past the deadline
+    time.sleep(2.3)  # past the deadline
     assert not watch.fired
     assert peer.recv(4) == b"ping"
     peer.sendall(b"pong")
@@ -57,7 +59,9 @@ def test_a_block_that_ends_in_time_leaves_the_socket_alone(socket_pair):
 def test_the_earliest_of_several_deadlines_fires_first(socket_pair):
     late, _late_peer = socket_pair()
     early, _early_peer = socket_pair()
-    with watching(late.fileno(), 0.6) as late_watch, watching(early.fileno(), 0.1) as early_watch:
+    late.settimeout(5)
+    early.settimeout(5)
+    with watching(late.fileno(), 2.0) as late_watch, watching(early.fileno(), 0.1) as early_watch:
         assert early.recv(1) == b""
         assert early_watch.fired and not late_watch.fired
         assert late.recv(1) == b""
@@ -73,7 +77,9 @@ def test_a_socket_closed_inside_the_block_cannot_take_another_socket_down(socket
         first.close()
         newcomer, newcomer_peer = socket_pair()
         assert number in (newcomer.fileno(), newcomer_peer.fileno())  # the number was reused
-        time.sleep(0.3)
+        give_up = time.monotonic() + 5
+        while not watch.fired and time.monotonic() < give_up:
+            time.sleep(0.05)
     assert watch.fired
     newcomer.sendall(b"still here")
     assert newcomer_peer.recv(10) == b"still here"
@@ -85,9 +91,14 @@ def test_a_forked_child_has_a_watchdog_of_its_own(socket_pair):
     with watching(warm.fileno(), 10):  # the parent's watchdog thread is running
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child reports through its exit status
-            waiting, _peer = socket_pair()
-            with watching(waiting.fileno(), 0.1) as watch:
-                ended = waiting.recv(1) == b""
-            os._exit(0 if ended and watch.fired else 1)
+            status = 1
+            try:
+                waiting, _peer = socket_pair()
+                waiting.settimeout(5)
+                with watching(waiting.fileno(), 0.1) as watch:
+                    ended = waiting.recv(1) == b""
+                status = 0 if ended and watch.fired else 1
+            finally:
+                os._exit(status)  # never back into the parent's pytest session
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0

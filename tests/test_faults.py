@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.test import Client, override_settings
 
 from django_tokenbucket import BackendUnavailable, LimitRequest, limiter, signals
@@ -275,28 +275,41 @@ NO_ANSWER = r"database 'proxied': no answer within TIMEOUT = 0.5 s; the connecti
 @pytest.mark.only_on("postgres", "mariadb")
 @pytest.mark.parametrize(
     "fail_open, in_callers_transaction",
-    [(False, False), (True, False), (False, True)],
-    ids=["fail-closed", "fail-open", "callers-transaction"],
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["fail-closed", "fail-open", "callers-transaction-fail-closed", "callers-transaction-fail-open"],
 )
 def test_f2_timeout_bounds_a_connection_that_stalls(fail_open, in_callers_transaction):
-    """The backend's TIMEOUT ends the wait where the driver has no read timeout (psycopg)."""
+    """The backend's TIMEOUT ends the wait where the driver has no read timeout (psycopg).
+
+    Inside the caller's transaction the connection, and so the transaction, is lost:
+    the caller hears it as a database error whatever the fail mode, and nothing of its
+    transaction is committed.
+    """
     timeout = 0.5
     config = {"rate": 10, "period": 60}
     options = {"OPTIONS": {"DATABASE": "proxied", "TIMEOUT": timeout}, "FAIL_OPEN": fail_open}
     with database_behind_proxy(**options) as proxy, frozen_clock(T0):
         assert limiter.limit("f2-timeout", "k", config=config).value == 9  # the connection is open
         before = stored_state("database")
-        failure = nullcontext() if fail_open else pytest.raises(BackendUnavailable, match=NO_ANSWER)
+        if in_callers_transaction:
+            failure = pytest.raises(DatabaseError, match=NO_ANSWER + ", and your transaction with it")
+        elif fail_open:
+            failure = nullcontext()
+        else:
+            failure = pytest.raises(BackendUnavailable, match=NO_ANSWER)
         with failure, transaction.atomic(using="proxied") if in_callers_transaction else nullcontext():
-            # The caller's transaction is open on the server before the route stalls.
-            RateLimit.objects.using("proxied").filter(name="f2-timeout").count()
+            # The caller's own write, in its transaction when it has one.
+            RateLimit.objects.using("proxied").create(name="f2-caller", key="k", label="", value=0, ts=0)
             proxy.blackhole()
             started = time.perf_counter()
             status = limiter.limit("f2-timeout", "k", config=config)
-        if fail_open:
-            assert status.ok and status.failed_open
         elapsed = time.perf_counter() - started
-        assert stored_state("database") == before
+        if fail_open and not in_callers_transaction:
+            assert status.ok and status.failed_open
+        if in_callers_transaction:
+            assert stored_state("database") == before  # the caller's write went with its transaction
+        else:
+            assert stored_state("database") == sorted([*before, ("f2-caller", "k", 0, 0)])
         # What the proxy holds of the abandoned statement would reach the server once
         # traffic flows again, and might commit there (docs/reliability.md, weakness 8):
         # the proxy's connections go, and with them what they held.

@@ -24,12 +24,15 @@ from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 from hypothesis import event, given
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.retry import Retry
 
 from django_tokenbucket import BackendUnavailable, LimitRequest, limiter
 from django_tokenbucket.algorithms import MICRO, State
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.base import Request
-from django_tokenbucket.backends.redis import MAX_TTL_MS, SCRIPT, RedisBackend, state_key
+from django_tokenbucket.backends.redis import MAX_TTL_MS, SCRIPT, RedisBackend, _client_retries, state_key
 from django_tokenbucket.config import LimitConfig, parse_limit
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.testing import frozen_clock
@@ -318,9 +321,29 @@ def test_nothing_listening_is_a_backend_failure():
     cache = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": server.url}
     tokenbucket = {**BASE_SETTINGS, "BACKEND": REDIS_BACKEND, "OPTIONS": {"CACHE": "refused"}}
     with override_settings(CACHES={**settings.CACHES, "refused": cache}, TOKENBUCKET=tokenbucket):
-        with pytest.raises(BackendUnavailable, match=r"Connection refused|Error 111"):
+        with pytest.raises(BackendUnavailable, match=r"Connection refused|Error 111") as failure:
             limiter.limit("login", "k")
     server.close()
+    # Refused while connecting: nothing was sent, so nothing can have been applied.
+    assert failure.value.__cause__.ambiguous is False
+
+
+@pytest.mark.parametrize(
+    "make_client, retries",
+    [
+        # django-redis builds its pool from the cache's options: no retry unless given.
+        (lambda: redis.Redis(connection_pool=redis.ConnectionPool(host="127.0.0.1", port=1)), False),
+        (lambda: redis.Redis(connection_pool=redis.ConnectionPool(port=1, retry=Retry(NoBackoff(), 0))), False),
+        (lambda: redis.Redis(connection_pool=redis.ConnectionPool(port=1, retry=Retry(NoBackoff(), 2))), True),
+        (lambda: redis.Redis(connection_pool=redis.ConnectionPool(port=1, retry_on_error=[RedisConnectionError])), True),
+        # redis-py's own default, when a client is made directly: 3 retries.
+        (lambda: redis.Redis(host="127.0.0.1", port=1), True),
+    ],
+    ids=["django-redis-default", "retry-0", "retry-2", "retry-on-error", "redis-py-default"],
+)
+def test_a_client_that_may_resend_makes_failed_writes_ambiguous(make_client, retries):
+    """After a resend, the attempt that failed is not the only one that may have run."""
+    assert _client_retries(make_client()) is retries  # made, never connected
 
 
 @pytest.mark.redis_processes

@@ -17,12 +17,12 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DatabaseError, connections, router, transaction
+from django.db import DatabaseError, OperationalError, connections, router, transaction
 from django.db.models.expressions import RawSQL
 
 from .. import clock
@@ -185,7 +185,8 @@ class DatabaseBackend(BaseBackend):
 
     def _run(self, alias: str, work: Callable[[], Outcome], *, write: bool, atomic: bool = True) -> Outcome:
         connection = connections[alias]
-        watch = None
+        in_callers_transaction = connection.in_atomic_block
+        watch: Watch | None = None
         maybe_applied = False
 
         def attempt() -> Outcome:
@@ -199,28 +200,26 @@ class DatabaseBackend(BaseBackend):
 
         try:
             with self._deadline(alias) as watch:
-                if connection.in_atomic_block:
-                    if not write:
-                        return work()
+                if not in_callers_transaction:
+                    # A read is retried too: it writes nothing, and on SERIALIZABLE even
+                    # a read can fail with 40001.
+                    outcome = self._retrying(alias, attempt, atomic=atomic and write)
+                elif not write:
+                    outcome = work()
+                else:
                     # Join the caller's transaction through a savepoint. A serialization
                     # failure here cannot be retried: only the caller can rerun its
                     # transaction, so it propagates as it is.
                     with transaction.atomic(using=alias):
-                        return work()
-                # A read is retried too: it writes nothing, and on SERIALIZABLE even a
-                # read can fail with 40001.
-                return self._retrying(alias, attempt, atomic=atomic and write)
+                        outcome = work()
         except DatabaseError as exc:
             # Inside the caller's transaction nothing is committed yet: a lost connection
             # rolls it all back, so there maybe_applied stays false.
             ambiguous = maybe_applied and lost_answer(exc)
             if watch is not None and watch.fired:
-                connection.close()
-                raise BackendError(
-                    f"database {alias!r}: no answer within TIMEOUT = {self.timeout:g} s; the connection was closed",
-                    ambiguous=ambiguous,
-                ) from exc
-            if connection.in_atomic_block:
+                self._abandon(alias, in_callers_transaction, exc)
+                raise BackendError(self._no_answer(alias), ambiguous=ambiguous) from exc
+            if in_callers_transaction:
                 if error_code(exc) in RETRYABLE_ERRORS:
                     raise
             else:
@@ -228,11 +227,25 @@ class DatabaseBackend(BaseBackend):
                 # thread outside a request cycle; Django reconnects once it is closed.
                 connection.close_if_unusable_or_obsolete()
             raise BackendError(f"database {alias!r}: {type(exc).__name__}: {exc}", ambiguous=ambiguous) from exc
-        finally:
-            if watch is not None and watch.fired and connection.connection is not None:
-                # The answer came just as the deadline passed: the decision stands, but
-                # its socket is shut down, so the connection must not be used again.
-                connection.close()
+        if watch is not None and watch.fired:
+            # The answer came just as the deadline passed: the decision stands, but its
+            # socket is shut down, so the connection must not be used again.
+            self._abandon(alias, in_callers_transaction, None)
+        return outcome
+
+    def _no_answer(self, alias: str) -> str:
+        return f"database {alias!r}: no answer within TIMEOUT = {self.timeout:g} s; the connection was closed"
+
+    def _abandon(self, alias: str, in_callers_transaction: bool, cause: BaseException | None) -> None:
+        """Close a connection whose socket the TIMEOUT watchdog shut down.
+
+        Inside the caller's transaction that transaction is lost with it, and the caller
+        must hear so whatever the fail mode: Django would otherwise leave the atomic block
+        without committing and without a word.
+        """
+        connections[alias].close()
+        if in_callers_transaction:
+            raise OperationalError(self._no_answer(alias) + ", and your transaction with it") from cause
 
     @contextmanager
     def _deadline(self, alias: str) -> Iterator[Watch | None]:
@@ -242,11 +255,16 @@ class DatabaseBackend(BaseBackend):
         connection = connections[alias]
         # Connecting is bounded by the driver's connect_timeout; only then is there a socket.
         connection.ensure_connection()
-        fileno = getattr(connection.connection, "fileno", None)
+        with connection.wrap_database_errors:  # a closed or broken connection raises here
+            fileno = connection.connection.fileno() if hasattr(connection.connection, "fileno") else None
         if fileno is None:  # SQLite: no server to stall
             yield None
             return
-        with watching(fileno(), self.timeout) as watch:
+        with ExitStack() as stack:
+            try:
+                watch = stack.enter_context(watching(fileno, self.timeout))
+            except (OSError, RuntimeError) as exc:  # no descriptor or thread to spare
+                raise DatabaseError(f"the TIMEOUT watchdog cannot watch the connection: {exc}") from exc
             yield watch
 
     def reset(self, config: LimitConfig, key: EncodedKey) -> None:
@@ -270,7 +288,9 @@ class DatabaseBackend(BaseBackend):
                     return work()
             except DatabaseError as exc:
                 code = error_code(exc)
-                if code not in RETRYABLE_ERRORS:
+                # A connection Django had to close (its rollback failed too) is lost, not
+                # in conflict: another attempt would reconnect outside the TIMEOUT watch.
+                if code not in RETRYABLE_ERRORS or connections[alias].connection is None:
                     raise
                 if attempt == attempts - 1:
                     self.gave_up[code] += 1

@@ -45,9 +45,10 @@ class _Watchdog:
 
     def add(self, watch: Watch) -> None:
         with self._condition:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="django_tokenbucket-deadline", daemon=True)
-                self._thread.start()
+            if self._thread is None or not self._thread.is_alive():
+                thread = threading.Thread(target=self._run, name="django_tokenbucket-deadline", daemon=True)
+                thread.start()  # raises RuntimeError when no thread can start: no watch is made
+                self._thread = thread
             self._watches.add(watch)
             self._condition.notify()
 
@@ -94,10 +95,11 @@ def watching(fileno: int, seconds: float) -> Iterator[Watch]:
     The watch holds a duplicate of the descriptor, so the number cannot be reused
     for another socket while it is watched, even if the connection is closed inside
     the block. ``Watch.fired`` tells the block's owner that the deadline passed.
+    Raises OSError (no descriptor left) or RuntimeError (no thread can start).
     """
     watch = Watch(os.dup(fileno), time.monotonic() + seconds)
-    _watchdog.add(watch)
     try:
+        _watchdog.add(watch)
         yield watch
     finally:
         _watchdog.remove(watch)

@@ -42,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .. import clock
@@ -233,11 +233,22 @@ class RedisBackend(BaseBackend):
         self.errors[type(exc).__name__] += 1
         return BackendError(f"{type(exc).__name__}: {exc}", ambiguous=ambiguous)
 
-    @staticmethod
-    def _script_may_have_run(exc: BaseException) -> bool:
-        """Whether the command may have reached Redis: its reply timed out or the
-        connection dropped while waiting for it. redis-py says "connecting" when the
-        connection could not be made, so nothing was sent."""
+    def _script_may_have_run(self, exc: BaseException) -> bool:
+        """Whether the script may have run although the call failed.
+
+        Without client retries: when its reply timed out or the connection dropped while
+        waiting for it (redis-py says "connecting" when no connection could be made, so
+        nothing was sent). With retries (a cluster client, or a ``retry`` in the client's
+        options), an earlier attempt may have run it before the one that failed, whatever
+        the last one says.
+        """
+        connection = self._connection
+        if connection is None:  # no client could be made: nothing was sent
+            return False
+        if _client_retries(connection.client):
+            return True
+        if isinstance(exc, ResponseError):  # Redis answered: the script failed or never ran
+            return False
         return isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and "connecting" not in str(exc)
 
     def _connect(self) -> _Connection:
@@ -348,6 +359,19 @@ class RedisBackend(BaseBackend):
                 )
             )
         return Outcome(decisions, int(fields[0]))
+
+
+def _client_retries(client: Any) -> bool:
+    """Whether redis-py may send a command again after a connection error or timeout."""
+    if isinstance(client, RedisCluster):
+        return True
+    options = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    retry = options.get("retry")
+    return bool(
+        options.get("retry_on_timeout")
+        or options.get("retry_on_error")
+        or (retry is not None and retry.get_retries() > 0)
+    )
 
 
 class ClusterConnectionFactory(ConnectionFactory):  # type: ignore[misc]
