@@ -377,8 +377,9 @@ def test_h7_fixed_window_admits_its_limit_in_every_window(request, backend):
     store = request.getfixturevalue("redis_store") if backend == "redis" else {"OPTIONS": {"DATABASE": "default"}}
     call = partial(limiter.limit, "h7", "hot", config=config)
     with override_settings(TOKENBUCKET={**BASE_SETTINGS, **store}):
-        # One period more than the windows wanted, so that they are covered whole.
-        results = run_processes(hammer, processes, call, None, (windows + 1) * period)
+        # Two periods more than the windows wanted: the decisions' first and last windows
+        # are partial, and the first decisions wait for the workers to connect.
+        results = run_processes(hammer, processes, call, None, (windows + 2) * period)
     period_us = period * MICRO
 
     def window_of(timestamp: float) -> int:
