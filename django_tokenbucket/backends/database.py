@@ -277,10 +277,8 @@ class DatabaseBackend(BaseBackend):
     def _retrying(self, alias: str, work: Callable[[], Outcome], *, atomic: bool) -> Outcome:
         """Run ``work`` (in a transaction of its own unless ``atomic`` is false: a single
         autocommit statement is one already), again after retryable errors."""
-        attempts = max(1, int(tokenbucket_settings.RETRY_ATTEMPTS))
-        base = float(tokenbucket_settings.RETRY_BASE_DELAY)
-        cap = float(tokenbucket_settings.RETRY_MAX_DELAY)
-        for attempt in range(attempts):
+        attempt = 0
+        while True:
             try:
                 if not atomic:
                     return work()
@@ -292,13 +290,16 @@ class DatabaseBackend(BaseBackend):
                 # in conflict: another attempt would reconnect outside the TIMEOUT watch.
                 if code not in RETRYABLE_ERRORS or connections[alias].connection is None:
                     raise
-                if attempt == attempts - 1:
+                # The settings are read only here: every decision passes through this
+                # loop, and almost none fails.
+                if attempt >= max(1, int(tokenbucket_settings.RETRY_ATTEMPTS)) - 1:
                     self.gave_up[code] += 1
                     raise
                 self.retried[code] += 1
+                cap = float(tokenbucket_settings.RETRY_MAX_DELAY)
                 # Full jitter: contenders that collided spread out instead of colliding again.
-                time.sleep(random.uniform(0, min(cap, base * 2**attempt)))
-        raise AssertionError("unreachable")  # pragma: no cover
+                time.sleep(random.uniform(0, min(cap, float(tokenbucket_settings.RETRY_BASE_DELAY) * 2**attempt)))
+                attempt += 1
 
     def _consume(self, alias: str, requests: Sequence[Request]) -> Outcome:
         manager = RateLimit.objects.using(alias)
