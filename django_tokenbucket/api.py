@@ -12,7 +12,7 @@ from django.core.exceptions import ImproperlyConfigured
 from . import registry, signals
 from .algorithms import MICRO, Decision
 from .backends import get_backend
-from .backends.base import BackendError, Outcome, Request
+from .backends.base import BackendError, BaseBackend, Outcome, Request
 from .conf import tokenbucket_settings
 from .config import LimitConfig, freeze, parse_limit, to_micro
 from .exceptions import BackendUnavailable, RateLimited
@@ -67,7 +67,17 @@ class Limiter:
     Every method takes the limit's ``name`` (an entry of ``TOKENBUCKET["LIMITS"]``, or
     any name with an inline ``config``) and a ``key`` (None for one global bucket; a
     str, bytes, int, or a tuple of these).
+
+    ``limiter`` decides on the configured backend; ``Limiter(backend)`` on another one
+    (the django-ratelimit compatibility layer uses one per ``RATELIMIT_USE_CACHE``).
     """
+
+    def __init__(self, backend: BaseBackend | None = None) -> None:
+        self._own_backend = backend
+
+    def backend(self) -> BaseBackend:
+        """Return the backend this limiter decides on."""
+        return self._own_backend if self._own_backend is not None else get_backend()
 
     def resolve(self, name: str, config: ConfigSpec | None = None) -> LimitConfig:
         """Return the parsed config of ``name``; raise ImproperlyConfigured if unknown or invalid."""
@@ -163,9 +173,9 @@ class Limiter:
         encoded = self._encode(limit, key)
         try:
             if limit.shards == 1:
-                get_backend().reset(limit, encoded)
+                self.backend().reset(limit, encoded)
             for index, shard in enumerate(shard_configs(limit) if limit.shards > 1 else ()):
-                get_backend().reset(shard, shard_key(encoded, index, limit.shards))
+                self.backend().reset(shard, shard_key(encoded, index, limit.shards))
         except BackendError as exc:
             throttled_logger.warning(limit.name, "rate limit %r: reset failed: %s", limit.name, exc)
             raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
@@ -204,7 +214,7 @@ class Limiter:
         """
         try:
             if limit.shards == 1:
-                outcome = get_backend().refund(limit, encoded, amount)
+                outcome = self.backend().refund(limit, encoded, amount)
                 return self._status(limit, key, amount, outcome.decisions[0], outcome.now)
             shards = shard_configs(limit)
             read = self._read_shards(limit, encoded).decisions
@@ -214,7 +224,7 @@ class Limiter:
                 if left <= 0 or room <= 0:
                     break
                 given = min(room, left)
-                get_backend().refund(shards[index], shard_key(encoded, index, limit.shards), given)
+                self.backend().refund(shards[index], shard_key(encoded, index, limit.shards), given)
                 left -= given
         except BackendError as exc:
             throttled_logger.warning(limit.name, "rate limit %r: refund failed: %s", limit.name, exc)
@@ -388,7 +398,7 @@ class Limiter:
     ) -> Outcome | None:
         """Run the backend; on a store failure return None (fail open) or raise BackendUnavailable."""
         try:
-            return get_backend().decide(requests, apply=apply)
+            return self.backend().decide(requests, apply=apply)
         except BackendError as exc:
             if fail_open is None:
                 fail_open = bool(tokenbucket_settings.FAIL_OPEN)

@@ -103,8 +103,9 @@ def ratelimit(
         if isinstance(view, type):
             # A class-based view: limit every request its dispatch() handles.
             original = view.dispatch  # type: ignore[attr-defined]
+            taken = getattr(original, "_tokenbucket_limit_names", ())
             limited = ratelimit(
-                name or f"{view.__module__}.{view.__qualname__}",
+                name or _default_name(view, taken, rate, period, methods, key),
                 key=key,
                 rate=rate,
                 period=period,
@@ -118,7 +119,7 @@ def ratelimit(
             view.dispatch = limited  # type: ignore[attr-defined]
             return view
 
-        limit_name = name or f"{view.__module__}.{view.__qualname__}"
+        limit_name = name or _default_name(view, getattr(view, "_tokenbucket_limit_names", ()), rate, period, methods, key)
         if config is None:
             _declared.setdefault(limit_name, f"{view.__module__}.{view.__qualname__}")
         if config is not None:
@@ -135,6 +136,11 @@ def ratelimit(
 
         def before(request: HttpRequest, status: Status | None) -> HttpResponseBase | None:
             if status is None:
+                # Not counted here (another method, an exempt key): the view still reads
+                # request.limited, as set by the decorators that did count it, or False.
+                request.limited = getattr(request, "limited", False)  # type: ignore[attr-defined]
+                if not hasattr(request, "ratelimit"):
+                    request.ratelimit = None  # type: ignore[attr-defined]
                 return None
             previous = getattr(request, "ratelimits", [])
             request.ratelimits = [*previous, status]  # type: ignore[attr-defined]
@@ -180,9 +186,42 @@ def ratelimit(
                 return after(request, view(*args, **kwargs), status)
 
             wrapper = sync_wrapper
-        return functools.wraps(view)(wrapper)  # type: ignore[return-value]
+        wrapped = functools.wraps(view)(wrapper)
+        # functools.wraps copies __dict__, so a decorator stacked above sees every name below.
+        wrapped._tokenbucket_limit_names = (*getattr(view, "_tokenbucket_limit_names", ()), limit_name)  # type: ignore[attr-defined]
+        return wrapped  # type: ignore[return-value]
 
     return decorator
+
+
+def _default_name(
+    view: Callable[..., Any],
+    taken_names: Iterable[str],
+    rate: str | float | None,
+    period: float | timedelta | None,
+    methods: frozenset[str] | None,
+    key: KeySpec,
+) -> str:
+    """Return the name of an inline limit: the view's ``module.qualname``.
+
+    A second inline limit stacked on the same view gets its own name, told apart by what
+    differs (rate, methods, key), so that it never shares the bucket of the first.
+    """
+    base = f"{view.__module__}.{view.__qualname__}"
+    taken = set(taken_names)
+    if base not in taken:
+        return base
+    parts = [str(rate) if period is None else f"{rate}/{period}"]
+    if methods is not None:
+        parts.append("+".join(sorted(methods)))
+    if isinstance(key, str):
+        parts.append(key)
+    name = f"{base}[{','.join(parts)}]"
+    suffix = 2
+    while name in taken:
+        name = f"{base}[{','.join(parts)}#{suffix}]"
+        suffix += 1
+    return name
 
 
 def _request_of(args: tuple[Any, ...]) -> HttpRequest:

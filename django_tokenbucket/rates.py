@@ -14,27 +14,27 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Union
 
-__all__ = ["Number", "parse_period", "parse_rate", "to_fraction"]
+__all__ = ["UNIT_SECONDS", "Number", "parse_period", "parse_rate", "to_fraction"]
 
 Number = Union[int, float, Decimal, Fraction]
 
+#: Every unit spelling: ours (one letter) and the words DRF's documentation and its
+#: users write (DRF itself reads only the first letter, so ``"10/mo"`` would be ten a
+#: minute there; here an unknown word is an error rather than a guess).
 UNIT_SECONDS = {
-    "s": 1,
-    "second": 1,
-    "seconds": 1,
-    "m": 60,
-    "minute": 60,
-    "minutes": 60,
-    "h": 3600,
-    "hour": 3600,
-    "hours": 3600,
-    "d": 86400,
-    "day": 86400,
-    "days": 86400,
+    **dict.fromkeys(("s", "sec", "secs", "second", "seconds"), 1),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60),
+    **dict.fromkeys(("h", "hr", "hrs", "hour", "hours"), 3600),
+    **dict.fromkeys(("d", "day", "days"), 86400),
 }
 
+#: How error messages list the units.
+UNIT_SPELLINGS = "s, m, h, d, or sec, min, hr, second, minute, hour, day (and their plurals)"
+
 _RATE_RE = re.compile(
-    r"(?P<count>[0-9]+)/(?P<multiplier>[0-9]+)?(?P<unit>s|m|h|d|seconds?|minutes?|hours?|days?)",
+    r"(?P<count>[0-9]+)/(?P<multiplier>[0-9]+)?(?P<unit>"
+    + "|".join(sorted(UNIT_SECONDS, key=len, reverse=True))
+    + ")",
     re.ASCII,
 )
 
@@ -60,8 +60,9 @@ def to_fraction(value: object, what: str) -> Fraction:
 def parse_rate(rate: str) -> tuple[Fraction, Fraction]:
     """Parse ``"N/unit"`` or ``"N/Munit"`` into ``(tokens, period_seconds)``.
 
-    Units are ``s``, ``m``, ``h``, ``d`` and DRF's words ``second``, ``minute``,
-    ``hour``, ``day`` (singular or plural). ``"5/10m"`` is five per ten minutes.
+    Units are ``s``, ``m``, ``h``, ``d`` and the words DRF users write: ``sec``,
+    ``min``, ``hr``, ``second``, ``minute``, ``hour``, ``day`` (singular or plural).
+    ``"5/10m"`` is five per ten minutes.
     """
     if not isinstance(rate, str):
         raise ValueError(f"rate string must be a str, not {rate!r}")
@@ -69,8 +70,8 @@ def parse_rate(rate: str) -> tuple[Fraction, Fraction]:
     if match is None:
         raise ValueError(
             f"invalid rate {rate!r}: expected 'N/unit' or 'N/Munit' with N and M "
-            f"positive ASCII integers and unit one of s, m, h, d, second, minute, "
-            f"hour, day (e.g. '10/m', '5/10m', '1000/day')"
+            f"positive ASCII integers and unit one of {UNIT_SPELLINGS} "
+            f"(e.g. '10/m', '5/10m', '1000/day', '60/min')"
         )
     count = int(match["count"])
     multiplier = int(match["multiplier"]) if match["multiplier"] is not None else 1

@@ -12,7 +12,6 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 
-from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
@@ -76,18 +75,29 @@ def _load_views() -> None:
 
 
 def _throttle_rates() -> dict[str, LimitConfig]:
-    if not apps.is_installed("rest_framework"):
-        return {}
-    from rest_framework.settings import api_settings
+    """Return the DRF scopes' limits: ``DEFAULT_THROTTLE_RATES`` and the throttle classes' own.
 
+    Read whether ``rest_framework`` is in ``INSTALLED_APPS`` or not: DRF's settings and
+    our throttles work without it, and a scope missing here would read as unknown
+    (and its live rows as removable) in the admin, the command and cleanup.
+    """
+    try:
+        from rest_framework.settings import api_settings
+
+        from .throttling import declared_throttle_rates
+    except ImportError:  # DRF is not installed: no throttles
+        return {}
+
+    rates: dict[str, object] = {scope: rate for scope, (_, rate) in declared_throttle_rates().items()}
+    rates.update(api_settings.DEFAULT_THROTTLE_RATES or {})
     limits = {}
-    for scope, rate in (api_settings.DEFAULT_THROTTLE_RATES or {}).items():
+    for scope, rate in rates.items():
         if rate is None:  # DRF's way to switch a scope off
             continue
         try:
             limits[scope] = parse_limit(scope, {"rate": rate})
         except ImproperlyConfigured:
-            continue  # not ours to report: DRF's own throttles may use other syntax
+            continue  # reported by the system checks
     return limits
 
 
@@ -102,11 +112,14 @@ def known_limits(*, load_views: bool = True) -> dict[str, KnownLimit]:
     """
     if load_views:
         _load_views()
-    known = {name: KnownLimit(config, THROTTLE_RATES) for name, config in _throttle_rates().items()}
+    throttles = _throttle_rates()
+    known = {name: KnownLimit(config, THROTTLE_RATES) for name, config in throttles.items()}
     known.update((name, KnownLimit(config, SETTINGS)) for name, config in tokenbucket_settings.limits().items())
     with _lock:
         inline = list(_inline.values())
-    known.update((config.name, KnownLimit(config, INLINE)) for config in inline)
+    # A throttle decides its scope with an inline config, remembered as it was then: the
+    # scope's rate as configured now is what its rows mean.
+    known.update((config.name, KnownLimit(config, INLINE)) for config in inline if config.name not in throttles)
     # A sharded limit's rows are its shards: they read (in the admin, for cleanup) under
     # a shard's config.
     return {name: replace(limit, config=row_config(limit.config)) for name, limit in known.items()}

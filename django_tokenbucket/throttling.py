@@ -10,16 +10,25 @@
         "DEFAULT_THROTTLE_RATES": {"anon": "100/day", "user": "5/10m"},
     }
 
-Rates are read from ``DEFAULT_THROTTLE_RATES`` on every request, so ``override_settings``
-works. A ``TOKENBUCKET["LIMITS"]`` entry named like a scope replaces that scope's rate
-with a full limit (capacity, kind, shadow...). All of this module's throttles on one
-view are decided together, all-or-nothing: a request denied by one spends no token of
-the others.
+The classes keep DRF's shape — ``SimpleRateThrottle`` with ``scope``, ``rate``,
+``THROTTLE_RATES``, ``get_rate()``, ``parse_rate()``, ``get_cache_key()``, ``timer``
+and ``wait()`` — so custom throttles written for DRF keep working with the import
+changed. What changes is the decision: an exact token bucket stored by the limiter's
+backend, and every throttle of this module on one view decided together,
+all-or-nothing (a request denied by one spends no token of the others).
+
+Rates are read from ``DEFAULT_THROTTLE_RATES`` when a throttle is made, as DRF does
+per request, so ``override_settings`` works. A ``TOKENBUCKET["LIMITS"]`` entry named
+like a scope replaces that scope's rate with a full limit (capacity, kind, shadow...),
+unless the throttle class sets ``rate`` itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -31,23 +40,32 @@ from rest_framework.settings import api_settings
 from rest_framework.throttling import BaseThrottle
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from . import clock
+from .algorithms import MICRO
 from .api import LimitRequest, limiter
 from .conf import tokenbucket_settings
 from .exceptions import BackendUnavailable, RateLimited
 from .http import add_ratelimit_headers
-from .ip import client_ip
+from .ip import client_address, ip_key
+from .logs import throttled_logger
+from .rates import parse_rate
 from .status import Status
 
 __all__ = [
     "AnonRateThrottle",
+    "BaseThrottle",
     "ScopedRateThrottle",
     "ServiceUnavailable",
+    "SimpleRateThrottle",
     "TokenBucketThrottle",
     "UserRateThrottle",
+    "declared_throttle_rates",
     "exception_handler",
 ]
 
-Signature = tuple[str, tuple[str, ...]]
+logger = logging.getLogger("django_tokenbucket")
+
+Signature = tuple[type, tuple[str, ...]]
 
 
 class ServiceUnavailable(APIException):
@@ -58,35 +76,98 @@ class ServiceUnavailable(APIException):
     default_code = "rate_limit_unavailable"
 
 
-class TokenBucketThrottle(BaseThrottle):
-    """Base class: a throttle on one ``scope`` (or several ``scopes``, all-or-nothing).
+class LimitRate(str):
+    """The rate of a scope defined in ``TOKENBUCKET["LIMITS"]``: reads as ``"N/Ms"``.
 
-    Subclasses implement ``get_key(request, view)``, returning the bucket key or None
-    to leave the request unthrottled. ``get_count`` weighs a request (default: the
-    view's ``throttle_cost`` attribute, or 1).
+    ``get_rate()`` returns a str, as DRF's does; this one also remembers which limit it
+    stands for, so that the decision uses the whole limit (capacity, kind...).
     """
 
+    limit_name: str
+
+    def __new__(cls, limit_name: str) -> LimitRate:
+        config = limiter.resolve(limit_name)
+        text = f"{_number(config.rate, MICRO)}/{_number(config.period, MICRO)}s"
+        rate = super().__new__(cls, text)
+        rate.limit_name = limit_name
+        return rate
+
+
+def _number(micro: int, unit: int) -> int | float:
+    value = Fraction(micro, unit)
+    return int(value) if value.denominator == 1 else float(value)
+
+
+class SimpleRateThrottle(BaseThrottle):
+    """A throttle on one ``scope``, subclassable exactly as DRF's ``SimpleRateThrottle``.
+
+    Subclasses implement ``get_cache_key(request, view)``, returning the bucket key or
+    None to leave the request unthrottled. The rate is ``rate`` if the class sets it,
+    else ``THROTTLE_RATES[scope]`` (default: ``DEFAULT_THROTTLE_RATES``, read now),
+    else the ``TOKENBUCKET["LIMITS"]`` entry named ``scope``. ``scopes`` (a list)
+    takes from several limits at once, all-or-nothing, e.g. a burst and a sustained
+    rate. ``get_count`` weighs a request (default: the view's ``throttle_cost``, or 1).
+
+    ``timer`` is honoured: a subclass (or a test) that replaces it decides at the time
+    it returns, in seconds since the epoch.
+    """
+
+    timer = time.time
+    cache_format = "throttle_%(scope)s_%(ident)s"
     scope: str | None = None
     scopes: Sequence[str] = ()
+    rate: str | None = None
+    #: Rates by scope; None reads ``DEFAULT_THROTTLE_RATES`` each time a throttle is made.
+    THROTTLE_RATES: Mapping[str, str | None] | None = None
 
     def __init__(self) -> None:
-        self.statuses: list[Status] = []
-
-    # -- what subclasses customise --------------------------------------------------
-
-    def get_scopes(self, request: DRFRequest, view: Any) -> list[str]:
+        self._clear()
         if self.scopes:
-            return list(self.scopes)
-        return [self.scope] if self.scope else []
+            return
+        if not getattr(self, "rate", None):
+            self.rate = self.get_rate()
+        try:
+            self.num_requests, self.duration = self.parse_rate(self.rate)
+        except ImproperlyConfigured as exc:
+            # Reported by `manage.py check`; at request time it answers as a failed
+            # store would (503, or allowed with FAIL_OPEN) instead of a 500.
+            self._rate_error = exc
 
-    def get_key(self, request: DRFRequest, view: Any) -> object:
-        raise NotImplementedError("TokenBucketThrottle subclasses must implement get_key()")
+    def _clear(self) -> None:
+        self.statuses: list[Status] = []
+        self.key: object = None
+        self.now: float | None = None
+        self.num_requests: int | float | None = None
+        self.duration: int | float | None = None
+        self._rate_error: ImproperlyConfigured | None = None
 
-    def get_count(self, request: DRFRequest, view: Any) -> float:
-        return getattr(view, "throttle_cost", 1)
+    # -- DRF's API --------------------------------------------------------------------
 
-    def get_ident(self, request: DRFRequest) -> str:
-        """Return the client's address key (see ``django_tokenbucket.ip``).
+    def get_rate(self) -> str | None:
+        """Return the rate of ``scope``; raise ImproperlyConfigured when there is none."""
+        if not getattr(self, "scope", None):
+            raise ImproperlyConfigured(
+                f"You must set either `.scope` or `.rate` for '{type(self).__name__}' throttle"
+            )
+        assert self.scope is not None
+        return self._rate_of(self.scope)
+
+    def parse_rate(self, rate: str | None) -> tuple[int | float | None, int | float | None]:
+        """Return ``(num_requests, duration)`` of a rate string, ``(None, None)`` for None."""
+        if rate is None:
+            return (None, None)
+        try:
+            tokens, seconds = parse_rate(rate)
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"throttle {self._name()!r}: {exc}") from None
+        return (_number(int(tokens * MICRO), MICRO), _number(int(seconds * MICRO), MICRO))
+
+    def get_cache_key(self, request: DRFRequest, view: Any) -> object:
+        """Return the key of ``request``'s bucket, or None to leave it unthrottled."""
+        raise NotImplementedError(".get_cache_key() must be overridden")
+
+    def get_ident(self, request: DRFRequest) -> str | None:
+        """Return the client's address key (see ``django_tokenbucket.ip``), None if unknown.
 
         Unless ``TOKENBUCKET["TRUSTED_PROXIES"]`` is set, DRF's ``NUM_PROXIES`` is honoured
         as a count of trusted proxies; DRF's own fallback of trusting any
@@ -95,106 +176,207 @@ class TokenBucketThrottle(BaseThrottle):
         trusted = tokenbucket_settings.TRUSTED_PROXIES
         if trusted is None and api_settings.NUM_PROXIES:
             trusted = int(api_settings.NUM_PROXIES)
-        return client_ip(request, trusted_proxies=trusted)
+        address = client_address(request, trusted_proxies=trusted)
+        return None if address is None else ip_key(address)
 
-    # -- how a scope becomes a limit ------------------------------------------------
+    def allow_request(self, request: DRFRequest, view: Any) -> bool:
+        try:
+            plan = self.limit_requests(request, view)
+            if not plan:
+                return True
+            self.now = self.timer()
+            self.statuses = _decide_for_view(request, view, self, plan)
+        except BackendUnavailable as exc:
+            raise ServiceUnavailable() from exc
+        except ImproperlyConfigured as exc:
+            return self._misconfigured(exc)
+        return all(status.ok for status in self.statuses)
 
-    def get_limit(self, scope: str) -> LimitRequest | None:
-        """Return the limit of ``scope`` without a key: from LIMITS, else DEFAULT_THROTTLE_RATES."""
-        if scope in tokenbucket_settings.limits():
-            return LimitRequest(scope)
-        rates = api_settings.DEFAULT_THROTTLE_RATES
-        if scope not in rates:
-            raise ImproperlyConfigured(
-                f"No default throttle rate set for {scope!r} scope: add it to "
-                f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'] or TOKENBUCKET['LIMITS']"
-            )
-        rate = rates[scope]
-        if rate is None:  # DRF's way to switch a scope off
-            return None
-        return LimitRequest(scope, config={"rate": rate})
+    def wait(self) -> float | None:
+        """Return the exact time until this throttle would let the request through.
+
+        None when nothing this throttle denied can ever succeed. A subclass that keeps
+        DRF's request ``history`` itself gets DRF's estimate from it.
+        """
+        if self.statuses:
+            waits = [status.retry_after for status in self.statuses if not status.ok]
+            if not waits or any(wait is None for wait in waits):
+                return None
+            return max(wait for wait in waits if wait is not None)
+        return self._history_wait()
+
+    # -- what subclasses may customise beyond DRF's API ---------------------------------
+
+    def get_scopes(self, request: DRFRequest, view: Any) -> list[str]:
+        """Return the scopes this throttle takes from for ``request``."""
+        if self.scopes:
+            return list(self.scopes)
+        return [self.scope] if self.scope else []
+
+    def get_key(self, request: DRFRequest, view: Any) -> object:
+        """Return the bucket key (default: ``get_cache_key``); None leaves the request alone."""
+        return self.get_cache_key(request, view)
+
+    def get_count(self, request: DRFRequest, view: Any) -> float:
+        """Return how many tokens ``request`` costs: the view's ``throttle_cost``, or 1."""
+        return getattr(view, "throttle_cost", 1)
+
+    # -- how a request becomes limits ---------------------------------------------------
 
     def limit_requests(self, request: DRFRequest, view: Any) -> list[LimitRequest]:
         """Return the limits this throttle takes from for ``request`` (empty: not throttled)."""
         scopes = self.get_scopes(request, view)
-        if not scopes:
+        if len(scopes) > 1 or self.scopes:
+            rates = [(scope, self._rate_of(scope)) for scope in scopes]
+        else:
+            if self._rate_error is not None:
+                raise self._rate_error
+            rates = [(self._name(), self.rate)] if scopes or self.rate else []
+        rates = [(name, rate) for name, rate in rates if rate is not None]
+        if not rates:
             return []
-        key = self.get_key(request, view)
+        self.key = key = self.get_key(request, view)
         if key is None:
             return []
         count = self.get_count(request, view)
-        requests = []
-        for scope in scopes:
-            limit = self.get_limit(scope)
-            if limit is not None:
-                requests.append(LimitRequest(limit.name, key, count, config=limit.config))
-        return requests
+        return [_limit_request(name, rate, key, count) for name, rate in rates]
 
     def signature(self, request: DRFRequest, view: Any) -> Signature:
-        return (f"{type(self).__module__}.{type(self).__qualname__}", tuple(self.get_scopes(request, view)))
+        return (type(self), tuple(self.get_scopes(request, view)))
 
-    # -- BaseThrottle -----------------------------------------------------------------
+    def _name(self) -> str:
+        return self.scope or f"{type(self).__module__}.{type(self).__qualname__}"
 
-    def allow_request(self, request: DRFRequest, view: Any) -> bool:
+    def _rate_of(self, scope: str) -> str | None:
+        if scope in tokenbucket_settings.limits():
+            return LimitRate(scope)
+        rates = self.THROTTLE_RATES if self.THROTTLE_RATES is not None else api_settings.DEFAULT_THROTTLE_RATES
         try:
-            self.statuses = _decide_for_view(request, view, self)
-        except BackendUnavailable as exc:
-            raise ServiceUnavailable() from exc
-        return all(status.ok for status in self.statuses)
+            return rates[scope]
+        except KeyError:
+            raise ImproperlyConfigured(
+                f"No default throttle rate set for {scope!r} scope: add it to "
+                f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'] or TOKENBUCKET['LIMITS']"
+            ) from None
 
-    def wait(self) -> float | None:
-        """Return the exact time until this throttle would let the request through."""
-        waits = [status.retry_after for status in self.statuses if not status.ok]
-        if not waits or any(wait is None for wait in waits):
+    def _misconfigured(self, exc: ImproperlyConfigured) -> bool:
+        # A misconfigured limit cannot decide, like a store that is down: the fail mode
+        # applies, and the error is logged where an operator will see it.
+        name = self._name()
+        throttled_logger.log(logging.ERROR, name, "throttle %r cannot decide: %s", name, exc)
+        if tokenbucket_settings.FAIL_OPEN:
+            return True
+        raise ServiceUnavailable() from exc
+
+    def _history_wait(self) -> float | None:
+        history = getattr(self, "history", None)
+        if history is None or not self.num_requests or not self.duration:
             return None
-        return max(wait for wait in waits if wait is not None)
+        if history:
+            remaining = self.duration - ((self.now or self.timer()) - history[-1])
+        else:
+            remaining = self.duration
+        available = self.num_requests - len(history) + 1
+        if available <= 0:
+            return None
+        return remaining / float(available)
 
 
-def _decide_for_view(request: DRFRequest, view: Any, throttle: TokenBucketThrottle) -> list[Status]:
-    """Decide every TokenBucketThrottle of ``view`` at once, the first time one is asked.
+#: The name this library used before it had DRF's ``SimpleRateThrottle``.
+TokenBucketThrottle = SimpleRateThrottle
+
+
+def _limit_request(name: str, rate: str, key: object, count: float) -> LimitRequest:
+    if isinstance(rate, LimitRate):
+        return LimitRequest(rate.limit_name, key, count)
+    return LimitRequest(name, key, count, config={"rate": rate})
+
+
+def _decide_for_view(
+    request: DRFRequest, view: Any, throttle: SimpleRateThrottle, plan: list[LimitRequest]
+) -> list[Status]:
+    """Decide every throttle of this module on ``view`` at once, the first time one is asked.
 
     DRF asks each throttle in turn and would let the first ones spend tokens even when a
     later one denies; deciding them together with ``limit_many`` makes it all-or-nothing.
     """
-    cache: dict[Signature, list[Status]] = request.__dict__.setdefault("_tokenbucket_throttles", {})
     own = throttle.signature(request, view)
-    if own not in cache:
-        ours = [t for t in view.get_throttles() if isinstance(t, TokenBucketThrottle)]
-        if not any(t.signature(request, view) == own for t in ours):
-            ours = [throttle]  # asked outside the view's own throttles
-        plan = [(t.signature(request, view), t.limit_requests(request, view)) for t in ours]
-        flat = [limit for _, limits in plan for limit in limits]
+    decided = request.__dict__.get("_tokenbucket_throttles")
+    if decided and own in decided:
+        return decided[own]  # type: ignore[no-any-return]
+    get_throttles = getattr(view, "get_throttles", None)
+    siblings = [t for t in get_throttles() if isinstance(t, SimpleRateThrottle)] if get_throttles else []
+    signatures = [(sibling, sibling.signature(request, view)) for sibling in siblings]
+    if not any(signature == own for _, signature in signatures):
+        # Asked outside the view's own throttles (or the view has none): this one alone.
+        with _pinned_time(throttle):
+            return list(limiter.limit_many(plan))
+    cache: dict[Signature, list[Status]] = request.__dict__.setdefault("_tokenbucket_throttles", {})
+    plans = [(own, plan)]
+    plans += [(signature, sibling.limit_requests(request, view)) for sibling, signature in signatures if signature != own]
+    flat = [limit for _, limits in plans for limit in limits]
+    with _pinned_time(throttle):
         results = list(limiter.limit_many(flat)) if flat else []
-        position = 0
-        for signature, limits in plan:
-            cache[signature] = results[position : position + len(limits)]
-            position += len(limits)
-        # For RateLimit headers added by RateLimitMiddleware.
-        django_request = getattr(request, "_request", request)
-        setattr(django_request, "_tokenbucket_throttle_statuses", results)  # noqa: B010
+    position = 0
+    for signature, limits in plans:
+        cache[signature] = results[position : position + len(limits)]
+        position += len(limits)
+    # For RateLimit headers added by RateLimitMiddleware.
+    django_request = getattr(request, "_request", request)
+    setattr(django_request, "_tokenbucket_throttle_statuses", results)  # noqa: B010
     return cache[own]
 
 
-class AnonRateThrottle(TokenBucketThrottle):
+def _pinned_time(throttle: SimpleRateThrottle) -> Any:
+    """Decide at the throttle's ``timer()`` when it was replaced, else on the store's clock."""
+    if throttle.timer is time.time or throttle.now is None:
+        return _nothing()
+    return clock.pinned(round(throttle.now * MICRO))
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class AnonRateThrottle(SimpleRateThrottle):
     """Limits anonymous users by address, under scope ``anon`` (as DRF's)."""
 
     scope = "anon"
 
-    def get_key(self, request: DRFRequest, view: Any) -> object:
-        if request.user and request.user.is_authenticated:
+    def get_cache_key(self, request: DRFRequest, view: Any) -> object:
+        if _authenticated(request):
             return None
-        return ("ip", self.get_ident(request))
+        return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
+
+    def get_key(self, request: DRFRequest, view: Any) -> object:
+        if _overridden(self, "get_cache_key", AnonRateThrottle):
+            return self.get_cache_key(request, view)
+        if _authenticated(request):
+            return None
+        return ("ip", self.get_ident(request) or "unknown")
 
 
-class UserRateThrottle(TokenBucketThrottle):
+class UserRateThrottle(SimpleRateThrottle):
     """Limits each user, and anonymous users by address, under scope ``user`` (as DRF's)."""
 
     scope = "user"
 
+    def get_cache_key(self, request: DRFRequest, view: Any) -> object:
+        ident = request.user.pk if _authenticated(request) else self.get_ident(request)
+        return self.cache_format % {"scope": self.scope, "ident": ident}
+
     def get_key(self, request: DRFRequest, view: Any) -> object:
-        if request.user and request.user.is_authenticated:
+        # Keys that carry their kind read as such in the admin (a user id, an address);
+        # a subclass's own get_cache_key is used as it is.
+        if _overridden(self, "get_cache_key", UserRateThrottle):
+            return self.get_cache_key(request, view)
+        if _authenticated(request):
             return ("user", request.user.pk)
-        return ("ip", self.get_ident(request))
+        return ("ip", self.get_ident(request) or "unknown")
 
 
 class ScopedRateThrottle(UserRateThrottle):
@@ -205,12 +387,65 @@ class ScopedRateThrottle(UserRateThrottle):
     """
 
     scope_attr = "throttle_scope"
+    scope = None
+
+    def __init__(self) -> None:
+        # The rate depends on the view, known only when a request comes (as in DRF).
+        self._clear()
 
     def get_scopes(self, request: DRFRequest, view: Any) -> list[str]:
         scope = getattr(view, self.scope_attr, None)
         if not scope:
+            self.scope = self.rate = None
             return []
-        return [scope] if isinstance(scope, str) else list(scope)
+        scopes = [scope] if isinstance(scope, str) else list(scope)
+        # As DRF's: scope, rate, num_requests and duration describe the view's scope.
+        self.scope = scopes[0]
+        self.rate = self.get_rate()
+        self._rate_error = None
+        try:
+            self.num_requests, self.duration = self.parse_rate(self.rate)
+        except ImproperlyConfigured as exc:
+            self._rate_error = exc
+        return scopes
+
+
+def _authenticated(request: Any) -> bool:
+    user = getattr(request, "user", None)
+    return bool(user is not None and user.is_authenticated)
+
+
+def _overridden(throttle: SimpleRateThrottle, method: str, base: type) -> bool:
+    """Whether a subclass of ``base`` replaced ``method`` (its own version then applies)."""
+    return getattr(type(throttle), method) is not getattr(base, method)
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    for subclass in cls.__subclasses__():
+        yield subclass
+        yield from _subclasses(subclass)
+
+
+def declared_throttle_rates() -> dict[str, tuple[str, str | None]]:
+    """Return the rates the throttle classes imported so far declare, by scope.
+
+    Each value is ``(where, rate)``: a class's own ``rate`` for its ``scope``, and every
+    entry of a class's ``THROTTLE_RATES``. For the system checks and the registry
+    (the admin, the command and cleanup), which import the URLconf first.
+    """
+    rates: dict[str, tuple[str, str | None]] = {}
+    for cls in _subclasses(SimpleRateThrottle):
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        if "<locals>" in where:
+            continue  # made inside a function: not one of the project's classes
+        own_rates = cls.__dict__.get("THROTTLE_RATES")
+        if isinstance(own_rates, Mapping):
+            for scope, rate in own_rates.items():
+                rates.setdefault(str(scope), (f"{where}.THROTTLE_RATES", rate))
+        rate = cls.__dict__.get("rate")
+        if isinstance(rate, str) and cls.scope:
+            rates.setdefault(cls.scope, (f"{where}.rate", rate))
+    return rates
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:

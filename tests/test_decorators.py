@@ -240,3 +240,58 @@ class TestDeclarations:
 @pytest.fixture
 def django_user_model():
     return get_user_model()
+
+
+# -- stacked inline limits and request.limited ---------------------------------------------
+
+from django.http import HttpResponse  # noqa: E402
+from django.test import RequestFactory  # noqa: E402
+
+rf = RequestFactory()
+
+
+def test_request_limited_is_set_even_when_the_request_is_not_counted():
+    @ratelimit(key="ip", rate="1/m", method="POST", block=False)
+    def view(request):
+        return HttpResponse(f"{request.limited} {request.ratelimit}")
+
+    assert view(rf.get("/")).content == b"False None"  # GET is not counted, and the view can still read both
+    assert view(rf.post("/")).content.startswith(b"False Status(")
+    assert view(rf.post("/")).content.startswith(b"True Status(")
+
+    @ratelimit(key=lambda request: None, rate="1/m", block=False)
+    def exempt(request):
+        return HttpResponse(str(request.limited))
+
+    assert exempt(rf.get("/")).content == b"False"
+
+
+def test_stacked_inline_limits_never_share_a_bucket():
+    @ratelimit(key="ip", rate="1/m", method="GET", block=False)
+    @ratelimit(key="ip", rate="1/m", method="POST", block=False)
+    def by_method(request):
+        return HttpResponse(str(request.limited))
+
+    # One GET and one POST each get their own bucket (django-ratelimit's test_stacked_methods).
+    assert [by_method(r).content for r in (rf.get("/"), rf.post("/"), rf.get("/"), rf.post("/"))] == [
+        b"False", b"False", b"True", b"True"
+    ]
+
+    @ratelimit(key="ip", rate="100/m", block=False)
+    @ratelimit(key="ip", rate="10/s", block=False)
+    def burst(request):
+        return HttpResponse(str(request.limited))
+
+    assert [burst(rf.get("/")).content for _ in range(11)] == [b"False"] * 10 + [b"True"]
+    names = set(RateLimit.objects.filter(name__contains="burst").values_list("name", flat=True))
+    assert names == {f"{__name__}.{burst.__qualname__}", f"{__name__}.{burst.__qualname__}[100/m,ip]"}
+
+
+def test_stacked_decorators_naming_one_limit_share_it():
+    @ratelimit("login", key="ip", block=False)
+    @ratelimit("login", key="ip", block=False)
+    def twice(request):
+        return HttpResponse(str(request.limited))
+
+    # Both take from "login" (5/m): each request spends two of its tokens.
+    assert [twice(rf.get("/")).content for _ in range(3)] == [b"False", b"False", b"True"]

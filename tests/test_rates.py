@@ -46,9 +46,10 @@ REJECTED_RATES = [
     "10/mm",
     "10/S",
     "10/Minute",
-    "10/min",
-    "10/sec",
-    "10/hr",
+    "10/mo",  # DRF reads the first letter (minutes); here an unknown word is an error
+    "10/minz",
+    "10/Sec",
+    "10/hours_",
     "10/week",
     "10/y",
     "10",
@@ -80,6 +81,13 @@ ACCEPTED_RATES = [
     ("5/10m", 5, 600),
     ("100/1s", 100, 1),
     ("1/2d", 1, 172800),
+    # DRF's documented spellings.
+    ("3/sec", 3, 1),
+    ("60/min", 60, 60),
+    ("1/hr", 1, 3600),
+    ("2/hrs", 2, 3600),
+    ("5/mins", 5, 60),
+    ("5/10min", 5, 600),
 ]
 
 
@@ -107,7 +115,7 @@ def test_parse_rate_rejects_non_strings(rate):
 
 def test_unit_table_is_consistent():
     # Every spelled-out unit means the same as its one-letter form.
-    for word, letter in [("second", "s"), ("minute", "m"), ("hour", "h"), ("day", "d")]:
+    for word, letter in [("second", "s"), ("minute", "m"), ("hour", "h"), ("day", "d"), ("sec", "s"), ("min", "m"), ("hr", "h")]:
         assert UNIT_SECONDS[word] == UNIT_SECONDS[word + "s"] == UNIT_SECONDS[letter]
 
 

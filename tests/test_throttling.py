@@ -169,3 +169,123 @@ def test_the_exception_handler_answers_503_when_the_store_fails(api):
         response = api.post("/api/inside/", {"username": "mallory"})
     assert response.status_code == 503
     assert response.json()["detail"] == "Rate limiting is temporarily unavailable."
+
+
+# -- DRF's SimpleRateThrottle API: subclasses written for DRF work unchanged ------------
+
+from django.core.checks import run_checks  # noqa: E402
+from rest_framework.response import Response  # noqa: E402
+from rest_framework.test import APIRequestFactory  # noqa: E402
+from rest_framework.views import APIView  # noqa: E402
+
+from django_tokenbucket.registry import known_limits  # noqa: E402
+from django_tokenbucket.throttling import SimpleRateThrottle, UserRateThrottle  # noqa: E402
+
+
+class TenantCacheKeyThrottle(SimpleRateThrottle):
+    """Written for DRF: a class-level rate and get_cache_key()."""
+
+    scope = "tenant_key"
+    rate = "2/min"
+
+    def get_cache_key(self, request, view):
+        tenant = request.headers.get("X-Tenant")
+        return self.cache_format % {"scope": self.scope, "ident": tenant} if tenant else None
+
+
+class TenantView(APIView):
+    throttle_classes = [TenantCacheKeyThrottle]
+
+    def get(self, request):
+        return Response("ok")
+
+
+def call(view, **headers):
+    return view.as_view()(APIRequestFactory().get("/", headers=headers))
+
+
+def test_a_drf_style_subclass_with_get_cache_key_and_rate(clock):
+    assert [call(TenantView, **{"X-Tenant": "acme"}).status_code for _ in range(3)] == [200, 200, 429]
+    response = call(TenantView, **{"X-Tenant": "acme"})
+    assert response["Retry-After"] == "30"  # 2/min: a token every 30 s
+    assert call(TenantView, **{"X-Tenant": "other"}).status_code == 200
+    assert call(TenantView).status_code == 200  # get_cache_key() None: not throttled
+    # The bucket is the scope's, keyed by what get_cache_key returned.
+    assert limiter.get_value("tenant_key", "throttle_tenant_key_acme", config={"rate": "2/min"}) == 0
+    throttle = TenantCacheKeyThrottle()
+    assert (throttle.num_requests, throttle.duration) == (2, 60)
+
+
+def test_a_replaced_timer_decides_at_its_time(transactional_db):
+    class Timed(TenantCacheKeyThrottle):
+        now_seconds = 1000.0
+
+        def timer(self):
+            return self.now_seconds
+
+    class View(TenantView):
+        throttle_classes = [Timed]
+
+    assert [call(View, **{"X-Tenant": "t"}).status_code for _ in range(3)] == [200, 200, 429]
+    Timed.now_seconds += 30
+    assert call(View, **{"X-Tenant": "t"}).status_code == 200
+
+
+@pytest.mark.parametrize("rate, codes_expected", [("3/sec", [200] * 3 + [429]), ("2/min", [200] * 2 + [429] * 2), ("1/hr", [200] + [429] * 3)])
+def test_drfs_documented_spellings(api, rate, codes_expected):
+    rates = {**REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"], "anon": rate}
+    with override_settings(REST_FRAMEWORK={**REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": rates}):
+        assert codes(api, "/api/function/", 4) == codes_expected
+
+
+def test_a_bad_rate_is_a_503_and_a_check_error_not_a_500(api, caplog):
+    rates = {**REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"], "anon": "garbage"}
+    with override_settings(REST_FRAMEWORK={**REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": rates}):
+        response = api.get("/api/function/")
+        assert response.status_code == 503
+        assert "throttle 'anon' cannot decide: throttle 'anon': invalid rate 'garbage'" in caplog.text
+        errors = [m for m in run_checks() if m.id == "django_tokenbucket.E030"]
+    assert len(errors) == 1 and "['DEFAULT_THROTTLE_RATES']['anon']" in errors[0].msg
+
+
+def test_checks_report_throttle_class_rates_and_scopes_without_rates(transactional_db):
+    class BadRate(UserRateThrottle):
+        scope = "bad_rate_scope"
+        rate = "10/fortnight"
+
+    class NoRate(UserRateThrottle):
+        scope = "scope_with_no_rate"
+
+    BadRate.__qualname__ = NoRate.__qualname__ = "Module"  # as if defined at module level
+    classes = [f"{__name__}.NoRate"]
+    try:
+        globals()["NoRate"] = NoRate
+        with override_settings(REST_FRAMEWORK={**REST_FRAMEWORK, "DEFAULT_THROTTLE_CLASSES": classes}):
+            found = {m.id: m.msg for m in run_checks() if m.id.startswith("django_tokenbucket.E03")}
+    finally:
+        del globals()["NoRate"]
+    assert "invalid rate '10/fortnight'" in found["django_tokenbucket.E031"]
+    assert "'scope_with_no_rate'" in found["django_tokenbucket.E032"]
+
+
+def test_allow_request_works_for_views_that_are_not_apiviews(alice, clock):
+    from rest_framework.request import Request
+    from django.http import HttpRequest
+
+    class PlainView:
+        pass
+
+    request = Request(HttpRequest())
+    request.user = alice
+    throttle = UserRateThrottle()
+    assert [UserRateThrottle().allow_request(request, PlainView()) for _ in range(6)] == [True] * 5 + [False]
+    assert throttle.get_cache_key(request, PlainView()) == f"throttle_user_{alice.pk}"
+
+
+def test_scopes_are_known_without_rest_framework_in_installed_apps():
+    from django.conf import settings
+
+    apps = [app for app in settings.INSTALLED_APPS if app != "rest_framework"]
+    with override_settings(INSTALLED_APPS=apps):
+        known = known_limits(load_views=False)
+    assert known["anon"].source == "DRF throttle rates" and known["tenant_key"].config.rate == 2 * 10**6

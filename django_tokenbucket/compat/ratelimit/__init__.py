@@ -1,0 +1,23 @@
+"""django-ratelimit 4.1's API, decided exactly by django_tokenbucket's backends.
+
+Migrating is replacing the import prefix ``django_ratelimit`` with
+``django_tokenbucket.compat.ratelimit``::
+
+    from django_tokenbucket.compat.ratelimit.decorators import ratelimit
+    from django_tokenbucket.compat.ratelimit.core import is_ratelimited, get_usage
+    from django_tokenbucket.compat.ratelimit.exceptions import Ratelimited
+    from django_tokenbucket.compat.ratelimit import ALL, UNSAFE
+
+The decorator, the functions and the ``RATELIMIT_*`` settings mean what django-ratelimit
+documents: fixed windows that start at a per-key offset, ``group``, key and rate
+callables, masks, ``block=True`` raising ``Ratelimited``. Each count is a fixed-window
+decision of the limiter, atomic in the database (or Redis), so concurrent requests
+never overshoot. The differences, each deliberate, are listed in docs/migrating.md.
+"""
+
+#: Every HTTP method (a sentinel, as in django-ratelimit).
+ALL = (None,)
+#: The methods that change something.
+UNSAFE = ["DELETE", "PATCH", "POST", "PUT"]
+
+__all__ = ["ALL", "UNSAFE"]

@@ -1,0 +1,322 @@
+"""``is_ratelimited`` and ``get_usage``, as django-ratelimit 4.1 documents them.
+
+A limit is django-ratelimit's: ``rate`` requests per fixed window of the rate's period,
+windows starting at an offset taken from the key (so that clients' windows do not all
+reopen at once), identified by ``group``, ``rate``, ``method`` and the key's value.
+Here each window is a ``"fixed window"`` limit of the limiter, named
+``"<group>:<N>/<P>s[:<METHODS>]"`` and keyed by the value, so the admin and the
+``tokenbucket`` command show it. A request the limit refuses is not stored (it spends
+nothing), and concurrent requests cannot overshoot the rate.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import re
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, TypedDict
+
+from django.conf import settings
+from django.core.cache import caches
+from django.core.cache.backends.dummy import DummyCache
+from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest
+from django.utils.module_loading import import_string
+
+from ...algorithms import MICRO
+from ...api import Limiter, limiter
+from ...backends import get_backend
+from ...backends.base import BaseBackend
+from ...conf import tokenbucket_settings
+from ...config import LimitConfig
+from ...exceptions import BackendUnavailable
+from ...ip import client_address, parse_ip
+from ...keys import encode_key
+from ...status import Status
+from . import ALL, UNSAFE
+
+__all__ = ["get_usage", "is_ratelimited"]
+
+Rate = str | tuple[int, int] | None
+
+
+class Usage(TypedDict):
+    """What ``get_usage`` returns (django-ratelimit's dict)."""
+
+    count: int
+    limit: int
+    should_limit: bool
+    time_left: int
+
+
+_PERIODS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# django-ratelimit's grammar, which reads a prefix: "5/10m", "100/h", "100/10" (seconds).
+_RATE = re.compile(r"(?P<count>[0-9]+)/(?P<multiplier>[0-9]*)(?P<unit>[smhd])?", re.ASCII)
+
+
+def _split_rate(rate: str | tuple[int, int]) -> tuple[int, int]:
+    """Return ``(limit, period_seconds)`` of a rate string or tuple."""
+    if isinstance(rate, tuple):
+        return rate
+    match = _RATE.match(rate) if isinstance(rate, str) else None
+    if match is None:
+        raise ImproperlyConfigured(
+            f"invalid ratelimit rate {rate!r}: expected 'N/unit' or 'N/Munit' with unit one of "
+            "s, m, h, d (e.g. '5/m', '100/10m'), a (limit, seconds) tuple, None or a callable"
+        )
+    seconds = _PERIODS[match["unit"] or "s"]
+    if match["multiplier"]:
+        seconds *= int(match["multiplier"])
+    return int(match["count"]), seconds
+
+
+def _mask(setting: str, default: int, bits: int) -> int:
+    mask = getattr(settings, setting, default)
+    if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask <= bits:
+        raise ImproperlyConfigured(f"{setting} must be a prefix length from 0 to {bits}, not {mask!r}")
+    return mask
+
+
+def _get_ip(request: HttpRequest) -> str:
+    """Return the client's address, masked by ``RATELIMIT_IPV4_MASK``/``RATELIMIT_IPV6_MASK``.
+
+    Without ``RATELIMIT_IP_META_KEY`` the address is the one ``django_tokenbucket.ip``
+    trusts: ``REMOTE_ADDR``, or the hop ``TOKENBUCKET["TRUSTED_PROXIES"]`` points to.
+    """
+    source = getattr(settings, "RATELIMIT_IP_META_KEY", None)
+    if not source:
+        address = client_address(request)
+        if address is None:
+            raise ImproperlyConfigured(
+                "the client's address is unknown: REMOTE_ADDR is empty or not an address (as behind a "
+                "proxy that connects over a Unix socket); set RATELIMIT_IP_META_KEY, or "
+                "TOKENBUCKET['TRUSTED_PROXIES'] and 'IP_HEADER'"
+            )
+    else:
+        if callable(source):
+            text = source(request)
+        elif isinstance(source, str) and "." in source:
+            text = import_string(source)(request)
+        elif isinstance(source, str) and source in request.META:
+            text = request.META[source]
+        else:
+            raise ImproperlyConfigured(f"RATELIMIT_IP_META_KEY = {source!r}: the request has no such META key")
+        address = parse_ip(str(text))
+        if address is None:
+            raise ImproperlyConfigured(f"RATELIMIT_IP_META_KEY = {source!r} gave {text!r}, which is not an address")
+    if isinstance(address, ipaddress.IPv6Address):
+        mask = _mask("RATELIMIT_IPV6_MASK", 64, 128)
+    else:
+        mask = _mask("RATELIMIT_IPV4_MASK", 32, 32)
+    return str(ipaddress.ip_network((address, mask), strict=False).network_address)
+
+
+def user_or_ip(request: HttpRequest) -> str:
+    """The user's primary key when authenticated, else the client's address."""
+    if request.user.is_authenticated:
+        return str(request.user.pk)
+    return _get_ip(request)
+
+
+_SIMPLE_KEYS: dict[str, Callable[[HttpRequest], str]] = {
+    "ip": _get_ip,
+    "user": lambda request: str(request.user.pk),
+    "user_or_ip": user_or_ip,
+}
+
+
+def _header(request: HttpRequest, name: str) -> str:
+    return request.META.get("HTTP_" + name.replace("-", "_").upper(), "")
+
+
+_ACCESSOR_KEYS: dict[str, Callable[[HttpRequest, str], str]] = {
+    "get": lambda request, field: request.GET.get(field, ""),
+    "post": lambda request, field: request.POST.get(field, ""),
+    "header": _header,
+}
+
+
+def _method_match(request: HttpRequest, method: Any = ALL) -> bool:
+    if method == ALL or method is None:
+        return True
+    methods = [method] if isinstance(method, str) else list(method)
+    return request.method in [m.upper() for m in methods]
+
+
+def _group_of(fn: Any) -> str:
+    """Return django-ratelimit's default group: the view's module and qualified name."""
+    if isinstance(fn, functools.partial):
+        fn = fn.func
+    parts = []
+    if hasattr(fn, "__module__"):
+        parts.append(fn.__module__)
+    if hasattr(fn, "__self__"):
+        parts.append(type(fn.__self__).__name__)
+    parts.append(fn.__qualname__)
+    return ".".join(parts)
+
+
+def _key_value(group: str, request: HttpRequest, key: Any) -> object:
+    if not key:
+        raise ImproperlyConfigured("Ratelimit key must be specified")
+    if callable(key):
+        return key(group, request)
+    if not isinstance(key, str):
+        raise ImproperlyConfigured(f"Ratelimit key must be a str or a callable, not {key!r}")
+    if key in _SIMPLE_KEYS:
+        return _SIMPLE_KEYS[key](request)
+    if ":" in key:
+        accessor, field = key.split(":", 1)
+        if accessor not in _ACCESSOR_KEYS:
+            raise ImproperlyConfigured(f"Unknown ratelimit key: {key}")
+        return _ACCESSOR_KEYS[accessor](request, field)
+    if "." in key:
+        return import_string(key)(group, request)
+    raise ImproperlyConfigured(f"Could not understand ratelimit key: {key}")
+
+
+def _methods_suffix(method: Any) -> str:
+    if method == ALL or method is None:
+        return ""
+    methods = [method] if isinstance(method, str) else list(method)
+    return ":" + ",".join(sorted(m.upper() for m in methods))
+
+
+# -- where the state lives (RATELIMIT_USE_CACHE) -------------------------------------------
+
+_limiters: dict[str, Limiter] = {}
+_limiters_lock = threading.Lock()
+
+
+def _limiter() -> Limiter | None:
+    """Return the limiter for ``RATELIMIT_USE_CACHE``, or None when it names a DummyCache.
+
+    A django-redis cache is used as a Redis backend of its own; any other cache cannot
+    hold a limit's state atomically, so the state goes to ``TOKENBUCKET``'s backend
+    (the database by default) and ``manage.py check`` says so. A ``DummyCache``
+    stores nothing, and limits nothing, as with django-ratelimit.
+    """
+    alias = getattr(settings, "RATELIMIT_USE_CACHE", None)
+    if alias is None:
+        return limiter
+    cache = caches[alias]  # an unknown alias raises InvalidCacheBackendError, as before
+    if isinstance(cache, DummyCache):
+        return None
+    if not type(cache).__module__.startswith("django_redis"):
+        return limiter
+    with _limiters_lock:
+        if alias not in _limiters:
+            _limiters[alias] = Limiter(_redis_backend(alias))
+        return _limiters[alias]
+
+
+def _redis_backend(alias: str) -> BaseBackend:
+    default = get_backend()
+    if getattr(default, "cache_alias", None) == alias:
+        return default  # the same cache as TOKENBUCKET's own Redis backend
+    # Imported here: it needs django-redis, which only a project with a Redis cache has.
+    from ...backends.redis import RedisBackend
+
+    return RedisBackend({"CACHE": alias})
+
+
+# -- the decision --------------------------------------------------------------------------
+
+
+def _decide(
+    request: HttpRequest, group: str | None, fn: Any, key: Any, rate: Any, method: Any, increment: bool
+) -> tuple[Usage, Status | None] | None:
+    """Return the usage of the request's limit and the limiter's status (None: no limit applies)."""
+    if group is None and fn is None:
+        raise ImproperlyConfigured("get_usage must be called with either `group` or `fn` arguments")
+    if not getattr(settings, "RATELIMIT_ENABLE", True):
+        return None
+    if not _method_match(request, method):
+        return None
+    if group is None:
+        group = _group_of(fn)
+    if callable(rate):
+        rate = rate(group, request)
+    elif isinstance(rate, str) and "." in rate:
+        rate = import_string(rate)(group, request)
+    if rate is None:
+        return None
+    limit, period = _split_rate(rate)
+    if period <= 0:
+        raise ImproperlyConfigured("Ratelimit period must be greater than 0")
+    value = _key_value(group, request, key)
+    if value is None:
+        return None  # a key callable's way to exempt a request
+    if limit <= 0:  # "0/m": always limited, nothing to store
+        return Usage(count=int(increment), limit=0, should_limit=True, time_left=period), None
+    store = _limiter()
+    if store is None:
+        return None
+    name = f"{group}:{limit}/{period}s{_methods_suffix(method)}"
+    config = {"kind": "fixed window", "rate": limit, "period": period}
+    fail_open = getattr(settings, "RATELIMIT_FAIL_OPEN", tokenbucket_settings.FAIL_OPEN)
+    try:
+        status = (store.limit if increment else store.check)(name, value, config=config)
+    except BackendUnavailable:
+        status = None
+    if status is None or status.failed_open:
+        if fail_open:
+            return None
+        return Usage(count=0, limit=0, should_limit=True, time_left=-1), status
+    left = round(status.value or 0)
+    if status.ok and not increment:
+        left += 1  # check() tells the value after the call it would make
+    used = limit - max(0, left)
+    # django-ratelimit's count includes the request being counted, refused or not.
+    count = used + 1 if increment and not status.ok else used
+    time_left = _time_left(store.resolve(name, config), status, value)
+    return Usage(count=count, limit=limit, should_limit=not status.ok, time_left=time_left), status
+
+
+def _time_left(config: LimitConfig, status: Status, value: object) -> int:
+    """Return the whole seconds until the key's current window ends."""
+    now = round((status.timestamp or 0) * MICRO)
+    offset = config.window_offset(encode_key(value).digest)
+    window_end = now - (now - offset) % config.period + config.period
+    return -(-(window_end - now) // MICRO)
+
+
+def get_usage(
+    request: HttpRequest,
+    group: str | None = None,
+    fn: Any = None,
+    key: Any = None,
+    rate: Any = None,
+    method: str | Iterable[str] | tuple[None] | None = ALL,
+    increment: bool = False,
+) -> Usage | None:
+    """Return ``{"count", "limit", "should_limit", "time_left"}`` for the request, or None.
+
+    None when no limit applies: ``RATELIMIT_ENABLE`` is off, the method does not count,
+    the rate is None, or the store failed and ``RATELIMIT_FAIL_OPEN`` allows. With
+    ``increment`` the request is counted (if the limit lets it through); without,
+    ``should_limit`` says whether it would be limited if it were counted.
+    """
+    decided = _decide(request, group, fn, key, rate, method, increment)
+    return None if decided is None else decided[0]
+
+
+def is_ratelimited(
+    request: HttpRequest,
+    group: str | None = None,
+    fn: Any = None,
+    key: Any = None,
+    rate: Any = None,
+    method: str | Iterable[str] | tuple[None] | None = ALL,
+    increment: bool = False,
+) -> bool:
+    """Return whether the request is over its limit (see ``get_usage``)."""
+    usage = get_usage(request, group, fn, key, rate, method, increment)
+    return False if usage is None else usage["should_limit"]
+
+
+for _function in (is_ratelimited, get_usage):
+    _function.ALL = ALL  # type: ignore[attr-defined]
+    _function.UNSAFE = UNSAFE  # type: ignore[attr-defined]
