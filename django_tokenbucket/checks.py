@@ -417,10 +417,18 @@ def check_throttle_rates(app_configs: Any = None, **kwargs: Any) -> list[checks.
     try:
         classes = list(api_settings.DEFAULT_THROTTLE_CLASSES)
     except ImportError as exc:
-        return [*messages, checks.Error(f"REST_FRAMEWORK['DEFAULT_THROTTLE_CLASSES']: {exc}", id="django_tokenbucket.E032")]
-    scoped_views = [(view, view.throttle_scope) for view in _api_views(patterns) if getattr(view, "throttle_scope", None)]
+        return [
+            *messages,
+            checks.Error(f"REST_FRAMEWORK['DEFAULT_THROTTLE_CLASSES']: {exc}", id="django_tokenbucket.E032"),
+        ]
+    scoped_views = [
+        (view, view.throttle_scope) for view in _api_views(patterns) if getattr(view, "throttle_scope", None)
+    ]
     for view, scope in scoped_views:
-        if any(isinstance(c, type) and issubclass(c, ScopedRateThrottle) for c in getattr(view, "throttle_classes", classes)):
+        if any(
+            isinstance(c, type) and issubclass(c, ScopedRateThrottle)
+            for c in getattr(view, "throttle_classes", classes)
+        ):
             for name in [scope] if isinstance(scope, str) else list(scope):
                 if name not in known:
                     messages.append(_no_rate(name, f"{view.__module__}.{view.__qualname__}.throttle_scope"))

@@ -119,7 +119,9 @@ def ratelimit(
             view.dispatch = limited  # type: ignore[attr-defined]
             return view
 
-        limit_name = name or _default_name(view, getattr(view, "_tokenbucket_limit_names", ()), rate, period, methods, key)
+        limit_name = name or _default_name(
+            view, getattr(view, "_tokenbucket_limit_names", ()), rate, period, methods, key
+        )
         if config is None:
             _declared.setdefault(limit_name, f"{view.__module__}.{view.__qualname__}")
         if config is not None:
@@ -230,4 +232,3 @@ def _request_of(args: tuple[Any, ...]) -> HttpRequest:
         if isinstance(arg, HttpRequest) or hasattr(arg, "META"):
             return arg  # type: ignore[no-any-return]
     raise TypeError("@ratelimit: the decorated view was not given a request")
-

@@ -146,9 +146,7 @@ class SimpleRateThrottle(BaseThrottle):
     def get_rate(self) -> str | None:
         """Return the rate of ``scope``; raise ImproperlyConfigured when there is none."""
         if not getattr(self, "scope", None):
-            raise ImproperlyConfigured(
-                f"You must set either `.scope` or `.rate` for '{type(self).__name__}' throttle"
-            )
+            raise ImproperlyConfigured(f"You must set either `.scope` or `.rate` for '{type(self).__name__}' throttle")
         assert self.scope is not None
         return self._rate_of(self.scope)
 
@@ -313,7 +311,9 @@ def _decide_for_view(
             return list(limiter.limit_many(plan))
     cache: dict[Signature, list[Status]] = request.__dict__.setdefault("_tokenbucket_throttles", {})
     plans = [(own, plan)]
-    plans += [(signature, sibling.limit_requests(request, view)) for sibling, signature in signatures if signature != own]
+    plans += [
+        (signature, sibling.limit_requests(request, view)) for sibling, signature in signatures if signature != own
+    ]
     flat = [limit for _, limits in plans for limit in limits]
     with _pinned_time(throttle):
         results = list(limiter.limit_many(flat)) if flat else []

@@ -121,7 +121,9 @@ def test_block_raises_ratelimited_which_the_middleware_answers_with_429(clock):
         view(rf.get("/"))
     assert isinstance(excinfo.value, RateLimited) and 0 < excinfo.value.retry_after <= 60
     response = middleware.process_exception(rf.get("/"), excinfo.value)
-    assert response.status_code == 429 and int(response["Retry-After"]) == pytest.approx(excinfo.value.retry_after, abs=1)
+    assert response.status_code == 429 and int(response["Retry-After"]) == pytest.approx(
+        excinfo.value.retry_after, abs=1
+    )
     assert response["Cache-Control"] == "no-store"
 
 
@@ -129,11 +131,18 @@ def test_zero_none_and_callable_rates(clock):
     assert is_ratelimited(rf.get("/"), group="z", key="ip", rate="0/m", increment=True)
     assert not is_ratelimited(rf.get("/"), group="n", key="ip", rate=None, increment=True)
     tiered = lambda group, request: (2, 60) if request.GET.get("plan") == "pro" else "1/m"  # noqa: E731
-    assert [is_ratelimited(rf.get("/", {"plan": "pro"}), group="t", key="ip", rate=tiered, increment=True) for _ in range(3)] == [False, False, True]
-    assert [is_ratelimited(rf.get("/"), group="t", key="ip", rate=tiered, increment=True) for _ in range(2)] == [False, True]
+    assert [
+        is_ratelimited(rf.get("/", {"plan": "pro"}), group="t", key="ip", rate=tiered, increment=True) for _ in range(3)
+    ] == [False, False, True]
+    assert [is_ratelimited(rf.get("/"), group="t", key="ip", rate=tiered, increment=True) for _ in range(2)] == [
+        False,
+        True,
+    ]
 
 
-@pytest.mark.parametrize("mask, other, shared", [(32, "10.1.1.2", False), (24, "10.1.1.200", True), (16, "10.1.9.9", True)])
+@pytest.mark.parametrize(
+    "mask, other, shared", [(32, "10.1.1.2", False), (24, "10.1.1.200", True), (16, "10.1.9.9", True)]
+)
 def test_ipv4_masks_group_addresses(clock, mask, other, shared):
     with override_settings(RATELIMIT_IPV4_MASK=mask):
         assert not is_ratelimited(rf.get("/", REMOTE_ADDR="10.1.1.1"), group="m", key="ip", rate="1/m", increment=True)
@@ -152,8 +161,11 @@ def test_a_spoofed_forwarded_for_is_ignored_without_trusted_proxies(clock):
 def test_a_failed_store_limits_unless_fail_open(redis_store):
     caches = {
         "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
-        "down": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://127.0.0.1:1/0",
-                 "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1}},
+        "down": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": "redis://127.0.0.1:1/0",
+            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1},
+        },
     }
     with override_settings(CACHES=caches, RATELIMIT_USE_CACHE="down"):
         assert is_ratelimited(rf.get("/"), group="f", key="ip", rate="10/m", increment=True)
@@ -167,7 +179,9 @@ def test_a_failed_store_limits_unless_fail_open(redis_store):
 def test_a_dummy_cache_limits_nothing_and_bad_settings_are_errors():
     caches = {"default": {"BACKEND": "django.core.cache.backends.dummy.DummyCache"}}
     with override_settings(CACHES=caches, RATELIMIT_USE_CACHE="default"):
-        assert [is_ratelimited(rf.get("/"), group="d", key="ip", rate="1/m", increment=True) for _ in range(3)] == [False] * 3
+        assert [is_ratelimited(rf.get("/"), group="d", key="ip", rate="1/m", increment=True) for _ in range(3)] == [
+            False
+        ] * 3
     with pytest.raises(ImproperlyConfigured, match="key must be specified"):
         is_ratelimited(rf.get("/"), group="d", rate="1/m")
     with pytest.raises(ImproperlyConfigured, match="invalid ratelimit rate 'often'"):
@@ -181,7 +195,9 @@ def test_unsafe_and_all_are_the_documented_sentinels():
 
 def _ids(**overrides):
     with override_settings(TOKENBUCKET=BASE_SETTINGS, **overrides):
-        return sorted(m.id for m in run_checks() if m.id.startswith("django_tokenbucket.") and m.id.split(".")[1][1:3] == "04")
+        return sorted(
+            m.id for m in run_checks() if m.id.startswith("django_tokenbucket.") and m.id.split(".")[1][1:3] == "04"
+        )
 
 
 def test_checks_report_the_ratelimit_settings():

@@ -269,8 +269,8 @@ def test_checks_report_throttle_class_rates_and_scopes_without_rates(transaction
 
 
 def test_allow_request_works_for_views_that_are_not_apiviews(alice, clock):
-    from rest_framework.request import Request
     from django.http import HttpRequest
+    from rest_framework.request import Request
 
     class PlainView:
         pass

@@ -93,15 +93,26 @@ EXPECTED_FAILURES = {
 def download(suite: Suite, into: Path) -> Path:
     subprocess.run(
         [
-            sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-            "--no-binary", ":all:", "--no-deps", "--dest", str(into),
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            "--dest",
+            str(into),
             f"{suite.distribution}=={suite.version}",
         ],
         check=True,
     )
     prefix = suite.distribution.replace("-", "_").lower()
     for path in into.iterdir():
-        if path.name.replace("-", "_").lower().startswith(f"{prefix}_{suite.version}") and path.name.endswith(".tar.gz"):
+        if path.name.replace("-", "_").lower().startswith(f"{prefix}_{suite.version}") and path.name.endswith(
+            ".tar.gz"
+        ):
             return path
     raise SystemExit(f"pip download left no sdist of {suite.distribution} {suite.version} in {into}")
 
@@ -123,13 +134,15 @@ def rewrite_imports(suite: Suite, source: str) -> str:
     for index, line in enumerate(lines):
         for old, new in suite.imports:
             if line.startswith(old):
-                lines[index] = new + line[len(old):]
+                lines[index] = new + line[len(old) :]
                 used.add(old)
     missing = [old for old, _ in suite.imports if old not in used]
     if missing:
         raise SystemExit(f"{suite.label}: no import line starts with {missing}: has the upstream file changed?")
     rewritten = "".join(lines)
-    diff = difflib.unified_diff(source.splitlines(), rewritten.splitlines(), suite.member, suite.target, lineterm="", n=0)
+    diff = difflib.unified_diff(
+        source.splitlines(), rewritten.splitlines(), suite.member, suite.target, lineterm="", n=0
+    )
     print("\n".join(diff))
     return rewritten
 
@@ -140,8 +153,20 @@ def run_pytest(work: Path, targets: list[str]) -> Path:
         "[pytest]\nDJANGO_SETTINGS_MODULE = settings\npython_files = test_*.py tests.py\npythonpath = .\n"
     )
     subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(work / "pytest.ini"),
-         "--rootdir", str(work), f"--junitxml={report}", *targets],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(work / "pytest.ini"),
+            "--rootdir",
+            str(work),
+            f"--junitxml={report}",
+            *targets,
+        ],
         cwd=work,
         check=False,  # the outcome is judged below, test by test
     )
@@ -194,7 +219,9 @@ def main() -> int:
         tests = results[suite.label]
         passed = sum(outcome == "passed" for outcome in tests.values())
         failed = sorted(test for test, outcome in tests.items() if outcome != "passed")
-        print(f"\n{suite.label} {suite.version} ({suite.member}): {passed} passed, {len(failed)} failed of {len(tests)}")
+        print(
+            f"\n{suite.label} {suite.version} ({suite.member}): {passed} passed, {len(failed)} failed of {len(tests)}"
+        )
         for test in failed:
             reason = EXPECTED_FAILURES.get(test)
             print(f"  {'expected' if reason else 'UNEXPECTED'}: {test}" + (f" ({reason})" if reason else ""))
