@@ -398,13 +398,15 @@ def check_throttle_rates(app_configs: Any = None, **kwargs: Any) -> list[checks.
         patterns = []
     messages: list[checks.CheckMessage] = []
     default_rates = api_settings.DEFAULT_THROTTLE_RATES or {}
-    sources = [(f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'][{scope!r}]", rate) for scope, rate in default_rates.items()]
+    sources: list[tuple[str, object]] = [
+        (f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'][{scope!r}]", rate) for scope, rate in default_rates.items()
+    ]
     sources += list(declared_throttle_rates().values())
     for where, rate in sources:
         if rate is None:
             continue
         try:
-            parse_rate(rate)
+            parse_rate(rate)  # type: ignore[arg-type]  # anything a user wrote; parse_rate says what is wrong
         except ValueError as exc:
             messages.append(
                 checks.Error(

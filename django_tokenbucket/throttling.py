@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -112,13 +112,20 @@ class SimpleRateThrottle(BaseThrottle):
     it returns, in seconds since the epoch.
     """
 
-    timer = time.time
+    timer: Callable[..., float] = time.time
     cache_format = "throttle_%(scope)s_%(ident)s"
     scope: str | None = None
     scopes: Sequence[str] = ()
     rate: str | None = None
     #: Rates by scope; None reads ``DEFAULT_THROTTLE_RATES`` each time a throttle is made.
     THROTTLE_RATES: Mapping[str, str | None] | None = None
+
+    statuses: list[Status]
+    key: object
+    now: float | None
+    num_requests: int | float | None
+    duration: int | float | None
+    _rate_error: ImproperlyConfigured | None
 
     def __init__(self) -> None:
         self._clear()
@@ -134,12 +141,12 @@ class SimpleRateThrottle(BaseThrottle):
             self._rate_error = exc
 
     def _clear(self) -> None:
-        self.statuses: list[Status] = []
-        self.key: object = None
-        self.now: float | None = None
-        self.num_requests: int | float | None = None
-        self.duration: int | float | None = None
-        self._rate_error: ImproperlyConfigured | None = None
+        self.statuses = []
+        self.key = None
+        self.now = None
+        self.num_requests = None
+        self.duration = None
+        self._rate_error = None
 
     # -- DRF's API --------------------------------------------------------------------
 
@@ -164,7 +171,7 @@ class SimpleRateThrottle(BaseThrottle):
         """Return the key of ``request``'s bucket, or None to leave it unthrottled."""
         raise NotImplementedError(".get_cache_key() must be overridden")
 
-    def get_ident(self, request: DRFRequest) -> str | None:
+    def get_ident(self, request: DRFRequest) -> str | None:  # type: ignore[override]
         """Return the client's address key (see ``django_tokenbucket.ip``), None if unknown.
 
         Unless ``TOKENBUCKET["TRUSTED_PROXIES"]`` is set, DRF's ``NUM_PROXIES`` is honoured
@@ -230,14 +237,14 @@ class SimpleRateThrottle(BaseThrottle):
             if self._rate_error is not None:
                 raise self._rate_error
             rates = [(self._name(), self.rate)] if scopes or self.rate else []
-        rates = [(name, rate) for name, rate in rates if rate is not None]
-        if not rates:
+        given = [(name, rate) for name, rate in rates if rate is not None]
+        if not given:
             return []
         self.key = key = self.get_key(request, view)
         if key is None:
             return []
         count = self.get_count(request, view)
-        return [_limit_request(name, rate, key, count) for name, rate in rates]
+        return [_limit_request(name, rate, key, count) for name, rate in given]
 
     def signature(self, request: DRFRequest, view: Any) -> Signature:
         return (type(self), tuple(self.get_scopes(request, view)))
@@ -250,12 +257,13 @@ class SimpleRateThrottle(BaseThrottle):
             return LimitRate(scope)
         rates = self.THROTTLE_RATES if self.THROTTLE_RATES is not None else api_settings.DEFAULT_THROTTLE_RATES
         try:
-            return rates[scope]
+            rate = rates[scope]
         except KeyError:
             raise ImproperlyConfigured(
                 f"No default throttle rate set for {scope!r} scope: add it to "
                 f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'] or TOKENBUCKET['LIMITS']"
             ) from None
+        return None if rate is None else str(rate)
 
     def _misconfigured(self, exc: ImproperlyConfigured) -> bool:
         # A misconfigured limit cannot decide, like a store that is down: the fail mode
@@ -277,7 +285,7 @@ class SimpleRateThrottle(BaseThrottle):
         available = self.num_requests - len(history) + 1
         if available <= 0:
             return None
-        return remaining / float(available)
+        return float(remaining) / float(available)
 
 
 #: The name this library used before it had DRF's ``SimpleRateThrottle``.
@@ -345,7 +353,7 @@ class _nothing:
 class AnonRateThrottle(SimpleRateThrottle):
     """Limits anonymous users by address, under scope ``anon`` (as DRF's)."""
 
-    scope = "anon"
+    scope: str | None = "anon"
 
     def get_cache_key(self, request: DRFRequest, view: Any) -> object:
         if _authenticated(request):
@@ -363,7 +371,7 @@ class AnonRateThrottle(SimpleRateThrottle):
 class UserRateThrottle(SimpleRateThrottle):
     """Limits each user, and anonymous users by address, under scope ``user`` (as DRF's)."""
 
-    scope = "user"
+    scope: str | None = "user"
 
     def get_cache_key(self, request: DRFRequest, view: Any) -> object:
         ident = request.user.pk if _authenticated(request) else self.get_ident(request)
@@ -387,7 +395,7 @@ class ScopedRateThrottle(UserRateThrottle):
     """
 
     scope_attr = "throttle_scope"
-    scope = None
+    scope: str | None = None
 
     def __init__(self) -> None:
         # The rate depends on the view, known only when a request comes (as in DRF).
@@ -420,7 +428,7 @@ def _overridden(throttle: SimpleRateThrottle, method: str, base: type) -> bool:
     return getattr(type(throttle), method) is not getattr(base, method)
 
 
-def _subclasses(cls: type) -> Iterator[type]:
+def _subclasses(cls: type[SimpleRateThrottle]) -> Iterator[type[SimpleRateThrottle]]:
     for subclass in cls.__subclasses__():
         yield subclass
         yield from _subclasses(subclass)

@@ -128,7 +128,7 @@ _SIMPLE_KEYS: dict[str, Callable[[HttpRequest], str]] = {
 
 
 def _header(request: HttpRequest, name: str) -> str:
-    return request.META.get("HTTP_" + name.replace("-", "_").upper(), "")
+    return str(request.META.get("HTTP_" + name.replace("-", "_").upper(), ""))
 
 
 _ACCESSOR_KEYS: dict[str, Callable[[HttpRequest, str], str]] = {
@@ -317,6 +317,5 @@ def is_ratelimited(
     return False if usage is None else usage["should_limit"]
 
 
-for _function in (is_ratelimited, get_usage):
-    _function.ALL = ALL  # type: ignore[attr-defined]
-    _function.UNSAFE = UNSAFE  # type: ignore[attr-defined]
+is_ratelimited.ALL = get_usage.ALL = ALL  # type: ignore[attr-defined]
+is_ratelimited.UNSAFE = get_usage.UNSAFE = UNSAFE  # type: ignore[attr-defined]

@@ -66,8 +66,9 @@ def _exception(status: Any) -> Exception:
     if isinstance(cls, str):
         cls = import_string(cls)
     if isinstance(cls, type) and issubclass(cls, RateLimited) and status is not None:
-        return cls(status.name, status.key, status.retry_after, status)  # type: ignore[no-any-return]
-    return cls()  # type: ignore[no-any-return]
+        return cls(status.name, status.key, status.retry_after, status)
+    exception: Exception = cls()
+    return exception
 
 
 ratelimit.ALL = ALL  # type: ignore[attr-defined]
