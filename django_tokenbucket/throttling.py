@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from fractions import Fraction
 from typing import Any
 
@@ -335,19 +336,11 @@ def _decide_for_view(
     return cache[own]
 
 
-def _pinned_time(throttle: SimpleRateThrottle) -> Any:
+def _pinned_time(throttle: SimpleRateThrottle) -> AbstractContextManager[None]:
     """Decide at the throttle's ``timer()`` when it was replaced, else on the store's clock."""
     if throttle.timer is time.time or throttle.now is None:
-        return _nothing()
+        return nullcontext()
     return clock.pinned(round(throttle.now * MICRO))
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 class AnonRateThrottle(SimpleRateThrottle):
