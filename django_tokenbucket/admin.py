@@ -45,6 +45,8 @@ from django.utils.translation import ngettext
 
 from .algorithms import MICRO, State
 from .config import LimitConfig
+from .http import key_from_text
+from .keys import encode_key
 from .models import RateLimit
 from .registry import KnownLimit, known_limits
 from .state import FULL, LIMITED, PARTIAL, LiveState, count_by_state, live_state, state_q, store_now
@@ -204,7 +206,10 @@ class RateLimitAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     list_display_links = ("key_label",)
     list_filter = (LimitNameFilter, StateFilter)
     search_fields = ("label",)
-    search_help_text = _("Search keys as stored (their first 64 characters), or a whole key digest.")
+    search_help_text = _(
+        "Search keys as shown (their first 64 characters), an exact key ('alice', 'post:username=alice'), "
+        "or a whole key digest."
+    )
     # The index order: a page is an index range scan, never a sort of the table.
     ordering = ("name", "-ts", "-id")
     sortable_by = ()
@@ -286,9 +291,14 @@ class RateLimitAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
     ) -> tuple[QuerySet[Any], bool]:
         results, may_have_duplicates = super().get_search_results(request, queryset, search_term)
-        term = search_term.strip().lower()
-        if _DIGEST.fullmatch(term):
-            results = results | queryset.filter(key=term)
+        term = search_term.strip()
+        if _DIGEST.fullmatch(term.lower()):
+            results = results | queryset.filter(key=term.lower())
+        elif term:
+            # Keys from request data are stored as digests only: found by the exact key,
+            # as typed ("alice") or as the decorator builds it ("post:username=alice").
+            keys = [term, key_from_text(term)]
+            results = results | queryset.filter(key__in=[encode_key(key).digest for key in keys if key is not None])
         return results, may_have_duplicates
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:

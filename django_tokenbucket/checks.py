@@ -109,6 +109,34 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                 id="django_tokenbucket.E012",
             )
         )
+    ip_header, trusted = user.get("IP_HEADER"), user.get("TRUSTED_PROXIES")
+    if ip_header and not isinstance(trusted, (list, tuple)):
+        errors.append(
+            checks.Warning(
+                f"TOKENBUCKET['IP_HEADER'] = {ip_header!r} is ignored: it is honoured only on requests "
+                f"from a trusted proxy given by its address, and TRUSTED_PROXIES is {trusted!r}.",
+                hint="Give TRUSTED_PROXIES as the CIDRs of the proxies that set the header, e.g. ['10.0.0.0/8'].",
+                id="django_tokenbucket.W003",
+            )
+        )
+    for setting in ("FOLD_KEY_CASE", "COUNT_OPTIONS"):
+        if not isinstance(user.get(setting, DEFAULTS[setting]), bool):
+            errors.append(
+                checks.Error(
+                    f"TOKENBUCKET[{setting!r}] must be True or False, not {user[setting]!r}.",
+                    id="django_tokenbucket.E016",
+                )
+            )
+    secret = user.get("KEY_SECRET")
+    if secret is not None and not (isinstance(secret, (str, bytes)) and len(secret) >= 16):
+        errors.append(
+            checks.Error(
+                "TOKENBUCKET['KEY_SECRET'] must be None (derived from SECRET_KEY) or a str or bytes of "
+                "at least 16 characters.",
+                hint="A short or guessable secret lets anyone with the rows recover keys such as addresses.",
+                id="django_tokenbucket.E017",
+            )
+        )
     for setting in ("RETRY_ATTEMPTS", "RETRY_BASE_DELAY", "RETRY_MAX_DELAY"):
         value = user.get(setting, DEFAULTS[setting])
         if (

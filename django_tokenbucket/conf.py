@@ -33,6 +33,13 @@ DEFAULTS: dict[str, Any] = {
     # HTTP integrations.
     "RESPONSE": "django_tokenbucket.http.default_response",
     "HEADERS": False,
+    # Keys from request data (post:, get:, header:, username) are NFKC-normalised and
+    # stripped; also case-folded unless this is False (case-sensitive identifiers).
+    "FOLD_KEY_CASE": True,
+    # CORS preflights (OPTIONS) are not counted by the decorator and the throttles.
+    "COUNT_OPTIONS": False,
+    # The secret of the HMAC that stored key digests use; None derives one from SECRET_KEY.
+    "KEY_SECRET": None,
     # Operations: at most one warning per limit per this many seconds when the store
     # fails (see django_tokenbucket.logs); 0 logs every failure.
     "LOG_INTERVAL": 10,

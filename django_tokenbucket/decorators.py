@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -11,7 +13,8 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_asy
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponseBase
 
-from .api import limiter
+from .api import LimitRequest, limiter
+from .conf import tokenbucket_settings
 from .exceptions import BackendUnavailable
 from .http import (
     KeySpec,
@@ -103,9 +106,8 @@ def ratelimit(
         if isinstance(view, type):
             # A class-based view: limit every request its dispatch() handles.
             original = view.dispatch  # type: ignore[attr-defined]
-            taken = getattr(original, "_tokenbucket_limit_names", ())
             limited = ratelimit(
-                name or _default_name(view, taken, rate, period, methods, key),
+                name or _default_name(view, _chain_of(original), rate, period, methods, key),
                 key=key,
                 rate=rate,
                 period=period,
@@ -119,86 +121,136 @@ def ratelimit(
             view.dispatch = limited  # type: ignore[attr-defined]
             return view
 
-        limit_name = name or _default_name(
-            view, getattr(view, "_tokenbucket_limit_names", ()), rate, period, methods, key
-        )
+        below = _chain_of(view)
+        limit_name = name or _default_name(view, below, rate, period, methods, key)
         if config is None:
             _declared.setdefault(limit_name, f"{view.__module__}.{view.__qualname__}")
         if config is not None:
             limiter.resolve(limit_name, config)  # a bad inline limit fails at import, not per request
-
-        def decide(request: HttpRequest) -> Status | None:
-            if methods is not None and request.method not in methods:
-                return None
-            request_ident = request_key(request, key)
-            if request_ident is None:
-                return None
-            weight = count(request) if callable(count) else count
-            return limiter.limit(limit_name, request_ident, count=weight, config=config)
-
-        def before(request: HttpRequest, status: Status | None) -> HttpResponseBase | None:
-            if status is None:
-                # Not counted here (another method, an exempt key): the view still reads
-                # request.limited, as set by the decorators that did count it, or False.
-                request.limited = getattr(request, "limited", False)  # type: ignore[attr-defined]
-                if not hasattr(request, "ratelimit"):
-                    request.ratelimit = None  # type: ignore[attr-defined]
-                return None
-            previous = getattr(request, "ratelimits", [])
-            request.ratelimits = [*previous, status]  # type: ignore[attr-defined]
-            request.ratelimit = status  # type: ignore[attr-defined]
-            request.limited = getattr(request, "limited", False) or not status.ok  # type: ignore[attr-defined]
-            if block and not status.ok:
-                return add_ratelimit_headers(rate_limited_response(request, status), request.ratelimits)  # type: ignore[attr-defined]
-            return None
-
-        def after(request: HttpRequest, response: HttpResponseBase, status: Status | None) -> HttpResponseBase:
-            if status is not None and isinstance(response, HttpResponseBase):
-                # Every limit the request met, so that stacked decorators add up rather
-                # than the outermost one replacing the others' headers.
-                add_ratelimit_headers(response, request.ratelimits)  # type: ignore[attr-defined]
-            return response
+        this = _ViewLimit(limit_name, key, config, methods, count, block)
+        # This decorator and every @ratelimit below it: the first of them to see a request
+        # decides them all at once, so a request refused by one spends nothing on the others.
+        chain = (this, *below)
 
         if iscoroutinefunction(view):
 
             async def async_wrapper(*args: Any, **kwargs: Any) -> HttpResponseBase:
                 request = _request_of(args)
-                try:
-                    # The backend does blocking database work: keep it off the event loop.
-                    status = await sync_to_async(decide)(request)
-                except BackendUnavailable as exc:
-                    return unavailable_response(request, exc)
-                blocked = before(request, status)
-                if blocked is not None:
-                    return blocked
-                return after(request, await view(*args, **kwargs), status)
+                pending = _pending(request, chain, this)
+                if pending:
+                    try:
+                        # The backend does blocking database work: keep it off the event loop.
+                        decided = await sync_to_async(_decide)(request, pending)
+                    except BackendUnavailable as exc:
+                        return unavailable_response(request, exc)
+                    blocked = _apply(request, decided)
+                    if blocked is not None:
+                        return blocked
+                return _with_headers(request, await view(*args, **kwargs))
 
             wrapper: Callable[..., Any] = markcoroutinefunction(async_wrapper)
         else:
 
             def sync_wrapper(*args: Any, **kwargs: Any) -> HttpResponseBase:
                 request = _request_of(args)
-                try:
-                    status = decide(request)
-                except BackendUnavailable as exc:
-                    return unavailable_response(request, exc)
-                blocked = before(request, status)
-                if blocked is not None:
-                    return blocked
-                return after(request, view(*args, **kwargs), status)
+                pending = _pending(request, chain, this)
+                if pending:
+                    try:
+                        decided = _decide(request, pending)
+                    except BackendUnavailable as exc:
+                        return unavailable_response(request, exc)
+                    blocked = _apply(request, decided)
+                    if blocked is not None:
+                        return blocked
+                return _with_headers(request, view(*args, **kwargs))
 
             wrapper = sync_wrapper
         wrapped = functools.wraps(view)(wrapper)
-        # functools.wraps copies __dict__, so a decorator stacked above sees every name below.
-        wrapped._tokenbucket_limit_names = (*getattr(view, "_tokenbucket_limit_names", ()), limit_name)  # type: ignore[attr-defined]
+        # functools.wraps copies __dict__: a decorator stacked above sees this chain.
+        wrapped._tokenbucket_chain = chain  # type: ignore[attr-defined]
         return wrapped  # type: ignore[return-value]
 
     return decorator
 
 
+@dataclass(frozen=True, eq=False)
+class _ViewLimit:
+    """One ``@ratelimit`` on a view: what it takes from, for which requests."""
+
+    name: str
+    key: KeySpec
+    config: dict[str, Any] | None
+    methods: frozenset[str] | None
+    count: float | Callable[[HttpRequest], float]
+    block: bool
+
+    def request_for(self, request: HttpRequest) -> LimitRequest | None:
+        """Return what ``request`` takes from this limit, or None when it does not count."""
+        if self.methods is None:
+            if request.method == "OPTIONS" and not tokenbucket_settings.COUNT_OPTIONS:
+                return None  # a CORS preflight is the browser's, not the user's, request
+        elif request.method not in self.methods:
+            return None
+        ident = request_key(request, self.key)
+        if ident is None:
+            return None
+        weight = self.count(request) if callable(self.count) else self.count
+        return LimitRequest(self.name, ident, weight, config=self.config)
+
+
+def _chain_of(view: Any) -> tuple[_ViewLimit, ...]:
+    return getattr(view, "_tokenbucket_chain", ())
+
+
+def _pending(request: HttpRequest, chain: tuple[_ViewLimit, ...], this: _ViewLimit) -> list[_ViewLimit]:
+    """Return the limits of ``chain`` to decide now: none if ``this`` was decided above."""
+    decided = request.__dict__.setdefault("_tokenbucket_decided", set())
+    if this in decided:
+        return []
+    pending = [limit for limit in chain if limit not in decided]
+    decided.update(pending)
+    return pending
+
+
+def _decide(request: HttpRequest, limits: list[_ViewLimit]) -> list[tuple[_ViewLimit, Status]]:
+    """Decide every limit that counts ``request``, all-or-nothing."""
+    planned = [(limit, limit.request_for(request)) for limit in limits]
+    asked = [(limit, limit_request) for limit, limit_request in planned if limit_request is not None]
+    if not asked:
+        return []
+    statuses = limiter.limit_many([limit_request for _, limit_request in asked])
+    return [(limit, status) for (limit, _), status in zip(asked, statuses)]
+
+
+def _apply(request: HttpRequest, decided: list[tuple[_ViewLimit, Status]]) -> HttpResponseBase | None:
+    """Record the decisions on ``request``; return the 429 when a blocking limit refused it."""
+    statuses = [status for _, status in decided]
+    request.ratelimits = [*getattr(request, "ratelimits", []), *statuses]  # type: ignore[attr-defined]
+    denied = [status for status in statuses if not status.ok]
+    request.limited = getattr(request, "limited", False) or bool(denied)  # type: ignore[attr-defined]
+    if statuses:
+        request.ratelimit = denied[0] if denied else statuses[0]  # type: ignore[attr-defined]
+    elif not hasattr(request, "ratelimit"):
+        request.ratelimit = None  # type: ignore[attr-defined]
+    blocking = [status for limit, status in decided if limit.block and not status.ok]
+    if not blocking:
+        return None
+    # The longest wait: the request succeeds only when every limit has room (None: never).
+    longest = max(blocking, key=lambda status: math.inf if status.retry_after is None else status.retry_after)
+    return add_ratelimit_headers(rate_limited_response(request, longest), request.ratelimits)  # type: ignore[attr-defined]
+
+
+def _with_headers(request: HttpRequest, response: HttpResponseBase) -> HttpResponseBase:
+    statuses = getattr(request, "ratelimits", None)
+    if statuses and isinstance(response, HttpResponseBase):
+        # Every limit the request met, so that stacked decorators add up.
+        add_ratelimit_headers(response, statuses)
+    return response
+
+
 def _default_name(
     view: Callable[..., Any],
-    taken_names: Iterable[str],
+    below: tuple[_ViewLimit, ...],
     rate: str | float | None,
     period: float | timedelta | None,
     methods: frozenset[str] | None,
@@ -210,7 +262,7 @@ def _default_name(
     differs (rate, methods, key), so that it never shares the bucket of the first.
     """
     base = f"{view.__module__}.{view.__qualname__}"
-    taken = set(taken_names)
+    taken = {limit.name for limit in below}
     if base not in taken:
         return base
     parts = [str(rate) if period is None else f"{rate}/{period}"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from django.contrib.auth import get_user_model
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.utils.module_loading import import_string
@@ -15,6 +17,7 @@ from django.utils.module_loading import import_string
 from .conf import tokenbucket_settings
 from .exceptions import BackendUnavailable, RateLimited
 from .ip import client_ip
+from .keys import is_request_data_key
 from .status import Status
 
 __all__ = [
@@ -32,8 +35,26 @@ KeySpec = str | Callable[[HttpRequest], Any]
 
 ResponseT = TypeVar("ResponseT", bound=HttpResponseBase)
 
-_SIMPLE_KEYS = ("ip", "user", "user_or_ip")
+_SIMPLE_KEYS = ("ip", "user", "user_or_ip", "username")
 _FIELD_KEYS = ("header", "get", "post")
+
+
+def normalize_identity(value: str) -> str:
+    """Return the one spelling of an identity a request sent: NFKC, stripped, case-folded.
+
+    Django's login strips the username and NFKC-normalises it, and MySQL/MariaDB
+    collations ignore case, so ``" ＶＩＣＴＩＭ"`` logs in as ``victim``: every such
+    spelling must meet one bucket, or an attacker multiplies an account's limit by
+    rewriting the name. ``TOKENBUCKET["FOLD_KEY_CASE"] = False`` keeps case.
+    """
+    text = unicodedata.normalize("NFKC", value).strip()
+    return text.casefold() if tokenbucket_settings.FOLD_KEY_CASE else text
+
+
+def _username(request: HttpRequest) -> str | None:
+    field = get_user_model().USERNAME_FIELD
+    value = request.POST.get(field)
+    return None if value is None else str(value)
 
 
 def _user_or_ip(request: HttpRequest) -> tuple[str, object]:
@@ -61,14 +82,17 @@ def request_key(request: HttpRequest, spec: KeySpec) -> object:
     if spec in ("user", "user_or_ip"):
         return _user_or_ip(request)
     kind, _, field = spec.partition(":")
-    if kind in _FIELD_KEYS and field:
-        if kind == "header":
+    if spec == "username" or (kind in _FIELD_KEYS and field):
+        if spec == "username":
+            value = _username(request)
+        elif kind == "header":
             value = request.headers.get(field)
         elif kind == "get":
             value = request.GET.get(field)
         else:
             value = request.POST.get(field)
-        if value in (None, ""):
+        value = None if value is None else normalize_identity(value)
+        if not value:
             return (spec, None, "ip", client_ip(request))
         return (spec, value)
     if "." in spec:
@@ -77,6 +101,29 @@ def request_key(request: HttpRequest, spec: KeySpec) -> object:
         f"unknown rate-limit key {spec!r}: expected one of {', '.join(_SIMPLE_KEYS)}, "
         f"'header:<name>', 'get:<param>', 'post:<field>', a callable or a dotted path to one"
     )
+
+
+def key_from_text(text: str) -> object | None:
+    """Return the key the decorator builds, written as ``<spec>=<value>``; None if not one.
+
+    ``"post:username=Alice"`` is the key of ``key="post:username"`` for a request that sent
+    ``Alice`` (normalised as the decorator does), ``"ip=192.0.2.1"`` and ``"user=42"`` those
+    of ``key="ip"`` and ``key="user"``. For finding a bucket whose key is not stored in
+    clear (the admin's search, the command).
+    """
+    spec, separator, value = text.partition("=")
+    spec = spec.strip()
+    if not separator or not value:
+        return None
+    if spec == "ip":
+        return ("ip", value.strip())
+    if spec == "user":
+        value = value.strip()
+        return ("user", int(value) if value.isdecimal() else value)
+    kind, _, field = spec.partition(":")
+    if spec == "username" or (kind in _FIELD_KEYS and field):
+        return (spec, normalize_identity(value))
+    return None
 
 
 def _import_key_function(path: str) -> Callable[[HttpRequest], Any]:
@@ -169,12 +216,14 @@ def ratelimit_headers(statuses: Iterable[Status]) -> dict[str, str]:
     """Return ``RateLimit-Policy`` and ``RateLimit`` for the per-client limits in ``statuses``.
 
     Limits on a global key (None) are left out: their capacity describes the service,
-    not the client, and the draft asks not to disclose operational capacity.
+    not the client, and the draft asks not to disclose operational capacity. So are
+    limits keyed by what the request sent (``post:username``...): that bucket may be
+    someone else's, and its state would tell whether their account is under attack.
     """
     policies = []
     limits = []
     for status in statuses:
-        if status.key is None or status.value is None or status.shadow:
+        if status.key is None or status.value is None or status.shadow or is_request_data_key(status.key):
             continue
         name = _sf_string(status.name)
         policies.append(f"{name};q={math.floor(status.capacity)};w={max(1, math.ceil(status.period))}")

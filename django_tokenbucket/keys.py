@@ -1,18 +1,30 @@
 """Turn the keys users pass into what the store holds.
 
-The stored key is the SHA-256 hex digest of an injective, type-tagged encoding, so any
-key (a 1 MB string, bytes, a lone surrogate, NUL) fits one 64-character ASCII column,
-collations that fold case or accents cannot merge two keys, and ``("a:b", "c")`` never
-meets ``("a", "b:c")``.
+The stored key is the HMAC-SHA-256 hex digest of an injective, type-tagged encoding, so
+any key (a 1 MB string, bytes, a lone surrogate, NUL) fits one 64-character ASCII
+column, collations that fold case or accents cannot merge two keys, and ``("a:b", "c")``
+never meets ``("a", "b:c")``. The HMAC's secret (``TOKENBUCKET["KEY_SECRET"]``, by
+default derived from ``SECRET_KEY``) means a digest in a row, a log line or a backup
+cannot be turned back into the key by trying guesses (an IPv4 address, a username).
+
+Beside the digest a short readable label is kept for the admin, except for keys taken
+from what a request sends (a header, a query or form field): those may be secrets (an
+API key, a password typed in the username box), so their label names only the field.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import threading
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
-__all__ = ["LABEL_LENGTH", "EncodedKey", "Key", "encode_key"]
+from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+__all__ = ["LABEL_LENGTH", "SECRET_KINDS", "EncodedKey", "Key", "encode_key", "is_request_data_key"]
 
 Key = Union[None, str, bytes, int, tuple["Key", ...]]
 
@@ -52,8 +64,24 @@ def _encode(key: object, out: bytearray) -> None:
     out += tag + b"%d:" % len(data) + data
 
 
+#: The first element of the keys ``django_tokenbucket.http.request_key`` builds from
+#: request data: ``("post:username", "alice")``, ``("username", "alice")``.
+SECRET_KINDS = ("header:", "get:", "post:", "username")
+
+
+def is_request_data_key(key: object) -> bool:
+    """Whether ``key`` holds a value a request sent (a header, a query or form field)."""
+    return (
+        isinstance(key, tuple) and len(key) > 1 and isinstance(key[0], str) and key[0].startswith(SECRET_KINDS)
+    )
+
+
 def _label(key: object) -> str:
-    text = key if isinstance(key, str) else ("" if key is None else repr(key))
+    if is_request_data_key(key) and key[1] is not None:  # type: ignore[index]
+        # Without a value, ("post:username", None, "ip", address) is keyed by the address.
+        text = f"{key[0]}=… (value not stored)"  # type: ignore[index]
+    else:
+        text = key if isinstance(key, str) else ("" if key is None else repr(key))
     head = text[:LABEL_LENGTH]
     if head.isprintable():
         # Nothing to escape, as for most keys: skip the per-character pass below.
@@ -64,12 +92,43 @@ def _label(key: object) -> str:
     return safe[:LABEL_LENGTH]
 
 
+_prepared: Any = None  # an HMAC with the secret already absorbed, copied for each key
+_prepared_lock = threading.Lock()
+
+
+def _secret() -> bytes:
+    user = getattr(settings, "TOKENBUCKET", {})
+    secret = user.get("KEY_SECRET") if isinstance(user, dict) else None
+    if secret:
+        return secret.encode() if isinstance(secret, str) else bytes(secret)
+    # Derived, so that the digests say nothing about SECRET_KEY itself.
+    return hashlib.sha256(b"django_tokenbucket.keys\x00" + settings.SECRET_KEY.encode()).digest()
+
+
+def _digest(data: bytes) -> str:
+    global _prepared
+    prepared = _prepared
+    if prepared is None:
+        with _prepared_lock:
+            prepared = _prepared = hmac.new(_secret(), digestmod=hashlib.sha256)
+    mac = prepared.copy()
+    mac.update(data)
+    return str(mac.hexdigest())
+
+
+@receiver(setting_changed)
+def _forget_secret(*, setting: str, **kwargs: Any) -> None:
+    global _prepared
+    if setting in ("TOKENBUCKET", "SECRET_KEY"):
+        _prepared = None
+
+
 def encode_key(key: object) -> EncodedKey:
     """Return the digest stored for ``key`` and a short printable label of it."""
     if type(key) is str:
         # The usual key, encoded exactly as _encode does, without its type dispatch.
         data = key.encode("utf-8", "surrogatepass")
-        return EncodedKey(hashlib.sha256(b"s%d:%s" % (len(data), data)).hexdigest(), _label(key))
+        return EncodedKey(_digest(b"s%d:%s" % (len(data), data)), _label(key))
     out = bytearray()
     _encode(key, out)
-    return EncodedKey(hashlib.sha256(out).hexdigest(), _label(key))
+    return EncodedKey(_digest(bytes(out)), _label(key))

@@ -186,6 +186,8 @@ class SimpleRateThrottle(BaseThrottle):
         return None if address is None else ip_key(address)
 
     def allow_request(self, request: DRFRequest, view: Any) -> bool:
+        if getattr(request, "method", None) == "OPTIONS" and not tokenbucket_settings.COUNT_OPTIONS:
+            return True  # a CORS preflight is the browser's, not the user's, request
         try:
             plan = self.limit_requests(request, view)
             if not plan:
@@ -193,10 +195,14 @@ class SimpleRateThrottle(BaseThrottle):
             self.now = self.timer()
             self.statuses = _decide_for_view(request, view, self, plan)
         except BackendUnavailable as exc:
+            _no_store(view)
             raise ServiceUnavailable() from exc
         except ImproperlyConfigured as exc:
-            return self._misconfigured(exc)
-        return all(status.ok for status in self.statuses)
+            return self._misconfigured(exc, view)
+        allowed = all(status.ok for status in self.statuses)
+        if not allowed:
+            _no_store(view)
+        return allowed
 
     def wait(self) -> float | None:
         """Return the exact time until this throttle would let the request through.
@@ -266,13 +272,14 @@ class SimpleRateThrottle(BaseThrottle):
             ) from None
         return None if rate is None else str(rate)
 
-    def _misconfigured(self, exc: ImproperlyConfigured) -> bool:
+    def _misconfigured(self, exc: ImproperlyConfigured, view: Any) -> bool:
         # A misconfigured limit cannot decide, like a store that is down: the fail mode
         # applies, and the error is logged where an operator will see it.
         name = self._name()
         throttled_logger.log(logging.ERROR, name, "throttle %r cannot decide: %s", name, exc)
         if tokenbucket_settings.FAIL_OPEN:
             return True
+        _no_store(view)
         raise ServiceUnavailable() from exc
 
     def _history_wait(self) -> float | None:
@@ -287,6 +294,17 @@ class SimpleRateThrottle(BaseThrottle):
         if available <= 0:
             return None
         return float(remaining) / float(available)
+
+
+def _no_store(view: Any) -> None:
+    """Make the view's 429 or 503 uncacheable, with or without RateLimitMiddleware.
+
+    DRF builds that response in its exception handler, which adds no header of ours;
+    an APIView copies its ``headers`` (set per request) onto every response it returns.
+    """
+    headers = getattr(view, "headers", None)
+    if isinstance(headers, dict):
+        headers["Cache-Control"] = "no-store"
 
 
 #: The name this library used before it had DRF's ``SimpleRateThrottle``.

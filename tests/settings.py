@@ -161,6 +161,7 @@ TOKENBUCKET = {
         "window": {"kind": "fixed window", "rate": 5, "period": 60, "start": 0},
         "reservable": {"kind": "token bucket", "rate": 10, "period": 10, "max_reserved": 20},
         "login": "5/m",
+        "login_ip": "3/m",  # the per-address half of a login limit (test_red_team.py)
     },
 }
 

@@ -206,13 +206,29 @@ def test_bad_client_address_settings_e012(setting, value):
         ("TRUSTED_PROXIES", ()),
         ("IPV6_PREFIX", 48),
         ("IPV6_PREFIX", 128),
-        ("IP_HEADER", "CF-Connecting-IP"),
     ],
     ids=repr,
 )
 def test_good_client_address_settings(setting, value):
     with override_settings(TOKENBUCKET=tokenbucket(**{setting: value})):
         assert our_messages() == []
+
+
+@pytest.mark.parametrize("trusted, warned", [(None, True), (1, True), (["173.245.48.0/20"], False)], ids=repr)
+def test_an_ip_header_that_is_never_honoured_is_reported(trusted, warned):
+    """Red-team case 6: IP_HEADER with a count of proxies was silently ignored."""
+    with override_settings(TOKENBUCKET=tokenbucket(IP_HEADER="CF-Connecting-IP", TRUSTED_PROXIES=trusted)):
+        assert [m.id for m in our_messages()] == (["django_tokenbucket.W003"] if warned else [])
+
+
+@pytest.mark.parametrize(
+    "setting, value, check_id",
+    [("FOLD_KEY_CASE", "yes", "E016"), ("COUNT_OPTIONS", 1, "E016"), ("KEY_SECRET", "short", "E017"), ("KEY_SECRET", 42, "E017")],
+    ids=repr,
+)
+def test_key_and_method_settings_are_checked(setting, value, check_id):
+    with override_settings(TOKENBUCKET=tokenbucket(**{setting: value})):
+        assert [m.id for m in our_messages()] == [f"django_tokenbucket.{check_id}"]
 
 
 @pytest.mark.parametrize(

@@ -247,6 +247,43 @@ def test_f2_store_unreachable_under_load(store, fault, fail_open):
     )
 
 
+@pytest.mark.only_on("postgres", "mariadb")
+def test_f2_timeout_bounds_connecting_to_a_server_that_never_answers():
+    """Red-team case 6: a server that accepts TCP and never answers held every request
+    until the client gave up, since TIMEOUT's watchdog needs a socket, which connecting
+    has not made yet. The backend now gives the driver a connect timeout from TIMEOUT
+    when the database's OPTIONS have none (PostgreSQL's minimum is 2 s)."""
+    options = connections["proxied"].settings_dict["OPTIONS"]
+    saved = options.pop("connect_timeout")
+    outcome: dict[str, Any] = {}
+
+    def decide() -> None:
+        started = time.perf_counter()
+        try:
+            limiter.limit("f2-connect", "k", config={"rate": 10, "period": 60})
+        except BackendUnavailable as exc:
+            outcome["error"] = exc
+        finally:
+            outcome["elapsed"] = time.perf_counter() - started
+            connections.close_all()
+
+    try:
+        with database_behind_proxy(OPTIONS={"DATABASE": "proxied", "TIMEOUT": 0.5}) as proxy, frozen_clock(T0):
+            proxy.blackhole()
+            thread = threading.Thread(target=decide, daemon=True)  # its own, unopened connection
+            thread.start()
+            thread.join(10)
+            hung = thread.is_alive()
+            proxy.drop()
+            proxy.resume()
+            thread.join(10)
+    finally:
+        options["connect_timeout"] = saved
+    assert not hung, "connecting was not bounded"
+    assert "error" in outcome and outcome["elapsed"] <= 2 + SLACK_S
+    figure("F2-connect", store=settings.DB, timeout_s=0.5, failed_after_ms=round(outcome["elapsed"] * 1000))
+
+
 @pytest.mark.only_on("mariadb")
 def test_f2_a_connection_that_stalls_is_bounded_by_the_read_timeout():
     """The server stops answering on a connection already open (no new handshake to time out)."""

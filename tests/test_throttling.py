@@ -264,6 +264,8 @@ def test_checks_report_throttle_class_rates_and_scopes_without_rates(transaction
             found = {m.id: m.msg for m in run_checks() if m.id.startswith("django_tokenbucket.E03")}
     finally:
         del globals()["NoRate"]
+        # Back to what they are, so that the checks of later tests skip them again.
+        BadRate.__qualname__ = NoRate.__qualname__ = "test.<locals>.Throttle"
     assert "invalid rate '10/fortnight'" in found["django_tokenbucket.E031"]
     assert "'scope_with_no_rate'" in found["django_tokenbucket.E032"]
 

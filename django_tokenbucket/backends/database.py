@@ -56,6 +56,19 @@ RETRYABLE_ERRORS = frozenset({"40001", "40P01", "23505", "1213", "1020"})
 OPTION_DEFAULTS: dict[str, Any] = {"DATABASE": None, "FAST_PATH": True, "ASYNC_COMMIT": False, "TIMEOUT": None}
 
 
+def _bound_connecting(connection: Any, timeout: float) -> None:
+    """Give the driver a connect timeout from TIMEOUT, unless the database's OPTIONS set one.
+
+    There is no socket for the watchdog to watch until the connection exists, and a
+    server that accepts and never answers would hold the connect forever. The drivers
+    take whole seconds; libpq reads anything under 2 as 2.
+    """
+    if connection.vendor not in ("postgresql", "mysql"):
+        return
+    options = connection.settings_dict.setdefault("OPTIONS", {})
+    options.setdefault("connect_timeout", max(2 if connection.vendor == "postgresql" else 1, math.ceil(timeout)))
+
+
 def timeout_option(value: Any) -> float | None:
     """Validate the ``TIMEOUT`` option: ``None`` or a positive, finite number of seconds."""
     if value is None:
@@ -253,7 +266,8 @@ class DatabaseBackend(BaseBackend):
             yield None
             return
         connection = connections[alias]
-        # Connecting is bounded by the driver's connect_timeout; only then is there a socket.
+        if connection.connection is None:
+            _bound_connecting(connection, self.timeout)
         connection.ensure_connection()
         with connection.wrap_database_errors:  # a closed or broken connection raises here
             fileno = connection.connection.fileno() if hasattr(connection.connection, "fileno") else None
@@ -310,29 +324,16 @@ class DatabaseBackend(BaseBackend):
 
         pks: dict[RowId, int] = {}
         states: dict[RowId, State | None] = {}
+        created: list[RowId] = []
         now: int | None = None
         for rid in sorted(unique):
             row = self._lock(manager, rid, now_sql)
             if row is None:
                 request = unique[rid]
                 fresh = request.config.fresh_state(request.key.digest)
-                # Many callers may create the row at once: exactly one insert wins and
-                # the others wait for it, then lock the row it made.
-                manager.bulk_create(
-                    [
-                        RateLimit(
-                            name=rid[0],
-                            key=rid[1],
-                            label=request.key.label,
-                            value=fresh.value,
-                            ts=fresh.ts,
-                        )
-                    ],
-                    ignore_conflicts=True,
-                )
-                row = self._lock(manager, rid, now_sql)
-                if row is None:
-                    raise DatabaseError(f"rate limit {rid[0]!r}: the row vanished while being created")
+                row = self._create_and_lock(manager, rid, request.key.label, fresh, now_sql)
+                if (row[1], row[2]) == (fresh.value, fresh.ts):
+                    created.append(rid)
             pk, value, ts, store_now = row
             pks[rid] = pk
             states[rid] = State(value, ts)
@@ -344,7 +345,29 @@ class DatabaseBackend(BaseBackend):
         decisions, writes = decide_all(requests, states, int(now))
         for rid, state in writes.items():
             manager.filter(pk=pks[rid]).update(value=state.value, ts=state.ts)
+        # A refused call leaves no row behind: the rows it made only to lock them, still
+        # fresh, read the same as no row. (An attacker must not fill the table with the
+        # names of accounts it was refused for.)
+        unused = [pks[rid] for rid in created if rid not in writes]
+        if unused:
+            manager.filter(pk__in=unused).delete()
         return Outcome(decisions, int(now))
+
+    def _create_and_lock(
+        self, manager: Any, rid: RowId, label: str, fresh: State, now_sql: str | None
+    ) -> tuple[int, int, int, int | None]:
+        # Many callers may create the row at once: exactly one insert wins and the others
+        # wait for it, then lock the row it made. A caller refused meanwhile deletes the
+        # row it made, and the next one makes it again.
+        for _ in range(3):
+            manager.bulk_create(
+                [RateLimit(name=rid[0], key=rid[1], label=label, value=fresh.value, ts=fresh.ts)],
+                ignore_conflicts=True,
+            )
+            row = self._lock(manager, rid, now_sql)
+            if row is not None:
+                return row
+        raise DatabaseError(f"rate limit {rid[0]!r}: the row vanished while being created")
 
     def _refund(self, alias: str, config: LimitConfig, key: EncodedKey, amount: int) -> Outcome:
         manager = RateLimit.objects.using(alias)

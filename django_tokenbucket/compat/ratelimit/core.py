@@ -32,6 +32,7 @@ from ...backends.base import BaseBackend
 from ...conf import tokenbucket_settings
 from ...config import LimitConfig
 from ...exceptions import BackendUnavailable
+from ...http import normalize_identity
 from ...ip import client_address, parse_ip
 from ...keys import encode_key
 from ...status import Status
@@ -171,7 +172,9 @@ def _key_value(group: str, request: HttpRequest, key: Any) -> object:
         accessor, field = key.split(":", 1)
         if accessor not in _ACCESSOR_KEYS:
             raise ImproperlyConfigured(f"Unknown ratelimit key: {key}")
-        return _ACCESSOR_KEYS[accessor](request, field)
+        # Normalised as the native decorator's keys are (every spelling of one account is
+        # one bucket), and tagged as request data, which is never stored in clear.
+        return (key, normalize_identity(_ACCESSOR_KEYS[accessor](request, field)))
     if "." in key:
         return import_string(key)(group, request)
     raise ImproperlyConfigured(f"Could not understand ratelimit key: {key}")
