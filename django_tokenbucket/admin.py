@@ -347,7 +347,7 @@ class RateLimitAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.display(description=_("key"))
     def key_label(self, obj: RateLimit) -> SafeString:
         label = obj.label
-        title = f"{label}\nSHA-256: {obj.key}" if label else f"SHA-256: {obj.key}"
+        title = f"{label}\ndigest: {obj.key}" if label else f"digest: {obj.key}"
         if not label:
             return format_html('<span class="tb-digest" title="{}">{}…</span>', title, obj.key[:12])
         shown = label if len(label) <= _LABEL_SHOWN else label[: _LABEL_SHOWN - 1] + "…"

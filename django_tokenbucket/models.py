@@ -19,7 +19,7 @@ __all__ = ["RateLimit", "Reservation"]
 class RateLimit(models.Model):
     """The state of one limit for one key.
 
-    ``key`` is the SHA-256 digest of the user's key (see ``keys.encode_key``), so any key
+    ``key`` is the HMAC-SHA-256 digest of the user's key (see ``keys.encode_key``), so any key
     fits and collations cannot merge two of them; ``label`` keeps a readable prefix.
     ``value`` is in micro-tokens and ``ts`` in microseconds since the Unix epoch: exact
     integers on every database.

@@ -156,11 +156,28 @@ def test_reset_one_key():
         assert "Reset login key 'alice': it starts full again." in run("reset", "login", "alice")
         assert limiter.get_value("login", "alice") == 5
         assert limiter.get_value("login", "bob") == 0
-        assert "(it had no stored state)" in run("reset", "login", "alice")
+        # Nothing to reset: an error, not a "done" for a bucket nobody uses.
+        with pytest.raises(CommandError, match="'alice' has no state to reset .*nothing matched.*--key SPEC=VALUE"):
+            run("reset", "login", "alice")
         limiter.limit("login", 7, count=5)
         run("reset", "login", "7", "--int")
         assert limiter.get_value("login", 7) == 5
     assert labels() == {"bob"}
+
+
+def test_reset_unlocks_a_user_locked_by_a_post_username_limit(client):
+    """The docs' unlock: alice is locked out by @ratelimit("login", key="post:username")."""
+    with frozen_clock(T0):
+        codes = [client.post("/login/", {"username": spelling}).status_code for spelling in ["alice", " Alice"] * 3]
+        assert codes == [200] * 5 + [429]
+        with pytest.raises(CommandError, match="nothing matched"):
+            run("reset", "login", "alice")  # a plain string is another key
+        assert client.post("/login/", {"username": "alice"}).status_code == 429
+        assert "Reset login key ('post:username', 'alice')" in run("reset", "login", "--key", "post:username=ALICE ")
+        assert client.post("/login/", {"username": "alice"}).status_code == 200
+        assert "tokens now" in run("show", "login", "--key", "post:username=alice")
+    with pytest.raises(CommandError, match="is not SPEC=VALUE"):
+        run("show", "login", "--key", "alice")
 
 
 def test_reset_by_digest():

@@ -8,8 +8,14 @@ differently (``42`` and ``"42"`` are two buckets), so:
 - ``--json KEY`` for anything else JSON can say: ``null`` (the global bucket,
   ``key=None``), numbers, strings and arrays for tuples, e.g. ``'["ip", "203.0.113.7"]'``
   for the keys that ``@ratelimit(key="ip")`` and the DRF throttles use;
-- ``--digest KEY`` for the stored SHA-256 digest (or a unique prefix of 8+ hex digits),
-  as the admin shows it: works for any key, whatever its type.
+- ``--digest KEY`` for the stored HMAC-SHA-256 digest (or a unique prefix of 8+ hex digits),
+  as the admin shows it: works for any key, whatever its type;
+- ``--key SPEC=VALUE`` for the keys ``@ratelimit(key=SPEC)`` and the DRF throttles build:
+  ``--key post:username=alice`` (normalised as the decorator does), ``--key ip=203.0.113.7``,
+  ``--key user=42``.
+
+``reset`` exits non-zero when the key has nothing to reset, rather than report a reset
+of a bucket nobody uses.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from ...backends.base import BackendError, Request
 from ...backends.database import DatabaseBackend
 from ...cleanup import MAX_BATCH_SIZE, cleanup, database_alias
 from ...config import LimitConfig
+from ...http import key_from_text
 from ...keys import EncodedKey, encode_key
 from ...models import RateLimit
 from ...registry import KnownLimit, known_limits
@@ -35,6 +42,7 @@ from ...state import FULL, LIMITED, PARTIAL, LiveState, count_by_state, live_sta
 from ...text import describe_rate, format_duration, format_tokens
 
 _JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"
+_REQUEST_KEY_HINT = "e.g. --key post:username=alice, --key ip=203.0.113.7, --key user=42"
 
 
 def _from_json(value: Any) -> Any:
@@ -72,7 +80,14 @@ class Command(BaseCommand):
             forms.add_argument("--int", action="store_true", dest="int_key", help="KEY is an integer key.")
             forms.add_argument("--json", action="store_true", dest="json_key", help=f"KEY is JSON ({_JSON_HINT}).")
             forms.add_argument(
-                "--digest", action="store_true", help="KEY is the stored SHA-256 digest, or a unique prefix of it."
+                "--digest", action="store_true", help="KEY is the stored key digest, or a unique prefix of it."
+            )
+            forms.add_argument(
+                "--key",
+                dest="request_key",
+                metavar="SPEC=VALUE",
+                help="The key as @ratelimit(key=SPEC) and the DRF throttles build it, normalised as they do: "
+                "post:username=alice, username=alice, header:X-Api-Key=..., get:q=..., ip=203.0.113.7, user=42.",
             )
             if name == "reset":
                 command.add_argument(
@@ -125,6 +140,14 @@ class Command(BaseCommand):
 
     def _key(self, options: dict[str, Any]) -> object:
         raw = options["key"]
+        spec = options.get("request_key")
+        if spec is not None:
+            if raw is not None:
+                raise CommandError("give the key once: as KEY or as --key SPEC=VALUE")
+            key = key_from_text(spec)
+            if key is None:
+                raise CommandError(f"--key: {spec!r} is not SPEC=VALUE ({_REQUEST_KEY_HINT})")
+            return key
         if raw is None:
             raise CommandError("--int, --json and --digest need a KEY")
         if options["int_key"]:
@@ -143,6 +166,8 @@ class Command(BaseCommand):
     def _require_no_key_form(options: dict[str, Any]) -> None:
         if options["int_key"] or options["json_key"] or options["digest"]:
             raise CommandError("--int, --json and --digest need a KEY")
+        if options.get("request_key") is not None:
+            raise CommandError("--key names one key: it cannot apply to the whole limit")
 
     def _row_by_digest(self, limit: LimitConfig, prefix: str, database: str | None) -> RateLimit:
         prefix = prefix.lower()
@@ -221,7 +246,7 @@ class Command(BaseCommand):
         known = self._known(name, database)
         limit = known.config
         self.stdout.write(f"{name}: {describe_rate(limit)} [{known.source}]")
-        if options["key"] is None:
+        if options["key"] is None and options.get("request_key") is None:
             self._require_no_key_form(options)
             self._show_summary(limit, database)
             return
@@ -257,7 +282,7 @@ class Command(BaseCommand):
     def handle_reset(self, *, name: str, database: str | None, **options: Any) -> None:
         known = self._known(name, database)
         limit = known.config
-        if options["key"] is None:
+        if options["key"] is None and options.get("request_key") is None:
             self._require_no_key_form(options)
             self._reset_all(limit, database, yes=options["yes"], interactive=options["interactive"])
             return
@@ -273,12 +298,18 @@ class Command(BaseCommand):
             existed = (
                 RateLimit.objects.using(database_alias(database)).filter(name=name, key=encoded.digest).exists()
             )
+        if not existed and self._live_from_backend(limit, encoded).value >= limit.capacity:
+            # Saying "reset" here would tell an operator that a locked-out user is free.
+            raise CommandError(
+                f"{name} key {key!r} has no state to reset (it reads full): nothing matched. Keys that "
+                f"@ratelimit and the DRF throttles build are not plain strings: give them as --key SPEC=VALUE "
+                f"({_REQUEST_KEY_HINT}), or find the bucket in the admin and use --digest."
+            )
         try:
             get_backend().reset(limit, encoded)
         except BackendError as exc:
             raise CommandError(f"the store failed: {exc}") from exc
-        note = " (it had no stored state)" if existed is False else ""
-        self.stdout.write(f"Reset {name} key {key!r}: it starts full again{note}.")
+        self.stdout.write(f"Reset {name} key {key!r}: it starts full again.")
 
     def _reset_all(self, limit: LimitConfig, database: str | None, *, yes: bool, interactive: bool) -> None:
         if not isinstance(get_backend(), DatabaseBackend):
