@@ -34,7 +34,7 @@ try:
     from kombu.utils.json import loads as kombu_loads
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(
-        f"django_tokenbucket.celery needs Celery: pip install 'django-tokenbucket[celery]' ({exc})"
+        f"django_tokenbucket.celery needs Celery: pip install 'dj-tokenbucket[celery]' ({exc})"
     ) from exc
 
 from django.core.exceptions import ImproperlyConfigured

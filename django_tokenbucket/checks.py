@@ -289,7 +289,7 @@ def check_declared_limits(app_configs: Any = None, **kwargs: Any) -> list[checks
 
 REDIS_CACHE_HINT = (
     "Point TOKENBUCKET['OPTIONS']['CACHE'] at a cache whose BACKEND is 'django_redis.cache.RedisCache' "
-    "(pip install 'django-tokenbucket[redis]')."
+    "(pip install 'dj-tokenbucket[redis]')."
 )
 
 

@@ -17,7 +17,7 @@ try:
     from celery import shared_task
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "django_tokenbucket.tasks needs Celery: pip install 'django-tokenbucket[celery]'"
+        "django_tokenbucket.tasks needs Celery: pip install 'dj-tokenbucket[celery]'"
     ) from exc
 
 from .cleanup import MAX_BATCH_SIZE, cleanup

@@ -31,7 +31,7 @@ from django.utils import timezone
 from .conftest import IN_CI
 
 if not IN_CI:
-    pytest.importorskip("celery", reason="pip install 'django-tokenbucket[celery]' to run the Celery tests")
+    pytest.importorskip("celery", reason="pip install 'dj-tokenbucket[celery]' to run the Celery tests")
 
 from celery import chain
 
@@ -343,7 +343,7 @@ def test_the_package_works_without_celery():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent, env=env
     )
     assert out.returncode == 0, out.stderr
-    assert "pip install 'django-tokenbucket[celery]'" in out.stdout
+    assert "pip install 'dj-tokenbucket[celery]'" in out.stdout
 
 
 # -- running the task, in this process (eagerly) -----------------------------------------

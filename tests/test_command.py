@@ -157,7 +157,7 @@ def test_reset_one_key():
         assert limiter.get_value("login", "alice") == 5
         assert limiter.get_value("login", "bob") == 0
         # Nothing to reset: an error, not a "done" for a bucket nobody uses.
-        with pytest.raises(CommandError, match="'alice' has no state to reset .*nothing matched.*--key SPEC=VALUE"):
+        with pytest.raises(CommandError, match=r"'alice' has no state to reset .*nothing matched.*--key SPEC=VALUE"):
             run("reset", "login", "alice")
         limiter.limit("login", 7, count=5)
         run("reset", "login", "7", "--int")

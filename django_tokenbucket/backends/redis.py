@@ -37,7 +37,7 @@ try:
     from django_redis.pool import ConnectionFactory
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(
-        f"the Redis backend needs django-redis: pip install 'django-tokenbucket[redis]' ({exc})"
+        f"the Redis backend needs django-redis: pip install 'dj-tokenbucket[redis]' ({exc})"
     ) from exc
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
