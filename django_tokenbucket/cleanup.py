@@ -33,13 +33,13 @@ from typing import Any
 from django.db import DatabaseError, connections, router, transaction
 from django.db.models import Count, Q
 
-from .algorithms import State
+from .algorithms import MICRO, State
 from .backends.database import RETRYABLE_ERRORS, error_code
 from .config import LimitConfig
 from .models import RateLimit
 from .state import cleanup_span, is_idle, store_now
 
-__all__ = ["MAX_BATCH_SIZE", "CleanupReport", "cleanup", "database_alias", "unknown_names"]
+__all__ = ["MAX_BATCH_SIZE", "UNKNOWN_IDLE", "CleanupReport", "cleanup", "database_alias", "unknown_names"]
 
 logger = logging.getLogger("django_tokenbucket")
 
@@ -47,6 +47,9 @@ logger = logging.getLogger("django_tokenbucket")
 MAX_BATCH_SIZE = 1000
 #: Seconds between batches on SQLite (see ``cleanup``).
 SQLITE_PAUSE = 0.1
+#: Seconds without a write after which rows of a name no limit here knows may be removed
+#: (``remove_unknown``), at the least: another service may use that limit inline.
+UNKNOWN_IDLE = 7 * 86400
 _BATCH_ATTEMPTS = 3
 
 
@@ -123,6 +126,7 @@ def cleanup(
     names: Iterable[str] | None = None,
     batch_size: int = MAX_BATCH_SIZE,
     remove_unknown: bool = False,
+    unknown_idle: float | None = None,
     dry_run: bool = False,
     max_seconds: float | None = None,
     pause: float | None = None,
@@ -132,7 +136,10 @@ def cleanup(
 
     ``limits`` maps names to configs (default: every limit this process knows, see
     ``registry.known_limits``); ``names`` restricts the run to some of them.
-    ``remove_unknown`` also deletes rows of names not in ``limits``. ``dry_run``
+    ``remove_unknown`` also deletes rows of names not in ``limits`` that nothing has
+    written for ``unknown_idle`` seconds (default: a week, or longer if a known limit
+    takes longer to refill): such a name may be a limit this process cannot see (used
+    inline by another service), whose live rows must survive. ``dry_run``
     deletes nothing and reports what would go. ``max_seconds`` bounds the run
     (``report.complete`` says whether it finished); ``pause`` sleeps between batches
     to leave the database to live traffic (default: none, except on SQLite, below).
@@ -143,6 +150,12 @@ def cleanup(
         from .registry import known_limits
 
         limits = {name: known.config for name, known in known_limits().items()}
+    if unknown_idle is None:
+        unknown_span = max([UNKNOWN_IDLE * MICRO, *(cleanup_span(limit) for limit in limits.values())])
+    elif isinstance(unknown_idle, (int, float)) and not isinstance(unknown_idle, bool) and unknown_idle >= 0:
+        unknown_span = round(unknown_idle * MICRO)
+    else:
+        raise ValueError(f"unknown_idle must be a number of seconds >= 0, not {unknown_idle!r}")
     alias = database_alias(database)
     if pause is None:
         # SQLite writers waiting for the lock poll, sleeping up to 100 ms between tries:
@@ -172,7 +185,7 @@ def cleanup(
                 report.complete = False
                 break
             batch_started = time.monotonic()
-            seen, idle, last = _batch(alias, name, limit, after, batch_size, dry_run)
+            seen, idle, last = _batch(alias, name, limit, after, batch_size, dry_run, unknown_span)
             elapsed = time.monotonic() - batch_started
             report.batches += 1
             report.slowest_batch = max(report.slowest_batch, elapsed)
@@ -199,11 +212,12 @@ def _batch(
     after: tuple[int, int] | None,
     batch_size: int,
     dry_run: bool,
+    unknown_span: int,
 ) -> tuple[int, int, tuple[int, int] | None]:
     """Run one batch; return (rows looked at, rows idle, keyset position to continue after)."""
     for attempt in range(_BATCH_ATTEMPTS):
         try:
-            return _batch_once(alias, name, limit, after, batch_size, dry_run)
+            return _batch_once(alias, name, limit, after, batch_size, dry_run, unknown_span)
         except DatabaseError as exc:
             # A serialization failure or deadlock (PostgreSQL SERIALIZABLE, InnoDB)
             # only means the batch collided with live traffic: run it again.
@@ -220,6 +234,7 @@ def _batch_once(
     after: tuple[int, int] | None,
     batch_size: int,
     dry_run: bool,
+    unknown_span: int,
 ) -> tuple[int, int, tuple[int, int] | None]:
     connection = connections[alias]
     outermost = not connection.in_atomic_block
@@ -232,8 +247,7 @@ def _batch_once(
                 cursor.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
         now = store_now(alias)
         rows_qs = RateLimit.objects.using(alias).filter(name=name)
-        if limit is not None:
-            rows_qs = rows_qs.filter(ts__lte=now - cleanup_span(limit))
+        rows_qs = rows_qs.filter(ts__lte=now - (unknown_span if limit is None else cleanup_span(limit)))
         if after is not None:
             # Keyset pagination over (ts, id): rows kept or skipped are never looked at
             # twice, so a run always ends.

@@ -67,7 +67,7 @@ def main() -> int | str:
             in_sdist = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
         problems += [f"the wheel lacks {name}" for name in sorted(expected - in_wheel)]
         problems += [f"the sdist lacks {name}" for name in sorted(expected - in_sdist)]
-        print(f"built {wheels[0].name} ({len(in_wheel)} files) and {sdists[0].name}; {len(expected)} package files checked")
+        print(f"built {wheels[0].name} ({len(in_wheel)} files) and {sdists[0].name}: {len(expected)} files checked")
     for problem in problems:
         print(f"build: {problem}", file=sys.stderr)
     return 1 if problems else 0

@@ -540,3 +540,11 @@ class TestHotKey:
 def test_the_script_is_package_data():
     assert "decide_all" in SCRIPT and "redis.call" in SCRIPT
     assert MAX_TTL_MS == 2**53
+
+
+def test_a_missing_cache_alias_names_the_setting_to_fix():
+    """Issue 21: a typo in the alias surfaced as Django's bare InvalidCacheBackendError."""
+    typo = {**BASE_SETTINGS, "BACKEND": "django_tokenbucket.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "ratelimt"}}
+    with override_settings(TOKENBUCKET=typo):
+        with pytest.raises(ImproperlyConfigured, match=r"TOKENBUCKET\['OPTIONS'\]\['CACHE'\] = 'ratelimt' is not an alias"):
+            limiter.limit("login", "k")

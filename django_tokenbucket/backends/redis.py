@@ -26,7 +26,8 @@ from dataclasses import replace
 from importlib import resources
 from typing import Any, NamedTuple
 
-from django.core.cache import caches
+from django.conf import settings
+from django.core.cache import InvalidCacheBackendError, caches
 from django.core.cache.backends.base import default_key_func
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
@@ -264,6 +265,12 @@ class RedisBackend(BaseBackend):
         generation = _caches_generation
         try:
             client = get_redis_connection(self.cache_alias, write=True)
+        except InvalidCacheBackendError:
+            defined = ", ".join(map(repr, settings.CACHES)) or "none"
+            raise ImproperlyConfigured(
+                f"TOKENBUCKET['OPTIONS']['CACHE'] = {self.cache_alias!r} is not an alias in CACHES "
+                f"(defined: {defined}): name a django-redis cache"
+            ) from None
         except NotImplementedError:
             raise ImproperlyConfigured(
                 f"the Redis backend needs a django-redis cache, and CACHES[{self.cache_alias!r}] is not one "

@@ -21,7 +21,7 @@ of a bucket nobody uses.
 from __future__ import annotations
 
 import json
-from argparse import ArgumentParser
+from argparse import SUPPRESS, ArgumentParser
 from typing import Any
 
 from django.conf import settings
@@ -63,6 +63,17 @@ class Command(BaseCommand):
         # Accepted after the subcommand, where people type it.
         common = ArgumentParser(add_help=False)
         common.add_argument("--database", help="Database alias of the RateLimit table (default: the backend's).")
+        # Django's own options, accepted after the subcommand too ("tokenbucket list
+        # --settings X"); SUPPRESS keeps the values given before it.
+        for flags, kwargs in (
+            (("--settings",), {}),
+            (("--pythonpath",), {}),
+            (("-v", "--verbosity"), {"type": int, "choices": [0, 1, 2, 3]}),
+            (("--traceback",), {"action": "store_true"}),
+            (("--no-color",), {"action": "store_true"}),
+            (("--force-color",), {"action": "store_true"}),
+        ):
+            common.add_argument(*flags, default=SUPPRESS, help=SUPPRESS, **kwargs)
         sub = parser.add_subparsers(dest="subcommand", required=True, metavar="{list,show,reset,cleanup}")
 
         listing = sub.add_parser(
@@ -102,7 +113,17 @@ class Command(BaseCommand):
             "--batch-size", type=int, default=MAX_BATCH_SIZE, help=f"Rows per batch (1 to {MAX_BATCH_SIZE})."
         )
         clean.add_argument(
-            "--remove-unknown", action="store_true", help="Also delete rows of limits that are not configured."
+            "--remove-unknown",
+            action="store_true",
+            help="Also delete rows of limits that are not configured, once nothing has written them for "
+            "--unknown-idle seconds.",
+        )
+        clean.add_argument(
+            "--unknown-idle",
+            type=float,
+            metavar="SECONDS",
+            help="With --remove-unknown: how long a row must be untouched (default: a week, or the longest "
+            "refill of a known limit if longer), since another service may use that limit.",
         )
         clean.add_argument("--dry-run", action="store_true", help="Report what would be deleted; delete nothing.")
         clean.add_argument("--max-seconds", type=float, help="Stop after this long (the next run continues).")
@@ -354,6 +375,7 @@ class Command(BaseCommand):
                 names=names,
                 batch_size=options["batch_size"],
                 remove_unknown=options["remove_unknown"],
+                unknown_idle=options["unknown_idle"],
                 dry_run=options["dry_run"],
                 max_seconds=options["max_seconds"],
                 pause=options["pause"],
@@ -378,7 +400,14 @@ class Command(BaseCommand):
         if report.unknown:
             removed = options["remove_unknown"] and not names
             for name, rows in report.unknown.items():
-                state = "removed" if removed and not report.dry_run else "kept"
-                self.stderr.write(f"Limit {name!r} is not configured: {rows} row(s) {state}.")
+                if removed:
+                    gone = report.deleted.get(name, 0)
+                    verb = "would be removed" if report.dry_run else "removed"
+                    self.stderr.write(
+                        f"Limit {name!r} is not configured: {gone} of {rows} row(s) {verb} "
+                        f"(the others were written too recently)."
+                    )
+                else:
+                    self.stderr.write(f"Limit {name!r} is not configured: {rows} row(s) kept.")
             if not removed:
                 self.stderr.write("Delete rows of limits that are not configured with --remove-unknown.")
