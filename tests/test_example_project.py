@@ -247,14 +247,20 @@ def test_demo_shows_every_integration_and_stops_on_ctrl_c(demo: Demo) -> None:
         lambda: client.post("/login/", {"username": "mallory", "password": "guess"}), at_most=20
     )
     assert attempts[0].status == 200 and "correct username and password" in attempts[0].text
-    assert int(attempts[-1].headers["Retry-After"]) >= 1
+    retry_after = int(attempts[-1].headers["Retry-After"])
+    assert retry_after >= 1
     assert "Too many attempts for this username" in attempts[-1].text
+    # The page tells the same wait as the header (a denied Status is falsy: issue 21).
+    assert f"Try again in <strong>{retry_after} second" in attempts[-1].text
+    assert f"Retry-After: {retry_after}</code>" in attempts[-1].text
 
     # An async def view with @ratelimit (a fixed window on the partner API).
     converted = client.get("/convert/?amount=100&from=EUR&to=USD")
     assert converted.status == 200 and converted.json()["result"] == "108.00"
-    conversions = client.until_429(lambda: client.get("/convert/?amount=1", json_api=True), at_most=20)
+    conversions = client.until_429(lambda: client.get("/convert/?amount=1"), at_most=20)
     assert int(conversions[-1].headers["Retry-After"]) >= 1
+    # A JSON endpoint's 429 is JSON even for a client that did not ask (curl: */*).
+    assert conversions[-1].json()["retry_after"] == int(conversions[-1].headers["Retry-After"])
 
     # Expensive work: two jobs of 3,400 tokens on a budget of 6,000: the second waits
     # for its tokens, and the worker runs it when they exist, never before.

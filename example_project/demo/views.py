@@ -43,10 +43,17 @@ def _owner(key: Any) -> str:
 
 def too_many_requests(request: HttpRequest, status: Status | None) -> HttpResponse:
     """The 429 of every @ratelimit and RateLimited (``TOKENBUCKET["RESPONSE"]``): a page for browsers."""
-    if _wants_json(request) or request.path.startswith("/api/"):
+    retry_after = status.retry_after_header if status is not None else None
+    if request.path.startswith(_JSON_ENDPOINTS):
+        # A JSON endpoint answers JSON whatever the client accepts (curl sends */*).
+        return JsonResponse({"detail": "Too many requests.", "retry_after": retry_after}, status=429)
+    if _wants_json(request):
         return default_response(request, status)
-    context = {"status": status, "retry_after": status.retry_after_header if status else None}
-    return render(request, "demo/429.html", context, status=429)
+    return render(request, "demo/429.html", {"status": status, "retry_after": retry_after}, status=429)
+
+
+#: Views that answer JSON (the API and the async converter): their 429s are JSON too.
+_JSON_ENDPOINTS = ("/api/", "/convert/")
 
 
 # -- home ------------------------------------------------------------------------------
