@@ -137,9 +137,9 @@ def cleanup(
     ``limits`` maps names to configs (default: every limit this process knows, see
     ``registry.known_limits``); ``names`` restricts the run to some of them.
     ``remove_unknown`` also deletes rows of names not in ``limits`` that nothing has
-    written for ``unknown_idle`` seconds (default: a week, or longer if a known limit
-    takes longer to refill): such a name may be a limit this process cannot see (used
-    inline by another service), whose live rows must survive. ``dry_run``
+    written for ``unknown_idle`` seconds (default: ``UNKNOWN_IDLE``, a week): such a name
+    may be a limit this process cannot see (used inline by another service), whose live
+    rows must survive. ``dry_run``
     deletes nothing and reports what would go. ``max_seconds`` bounds the run
     (``report.complete`` says whether it finished); ``pause`` sleeps between batches
     to leave the database to live traffic (default: none, except on SQLite, below).
@@ -151,11 +151,10 @@ def cleanup(
 
         limits = {name: known.config for name, known in known_limits().items()}
     if unknown_idle is None:
-        unknown_span = max([UNKNOWN_IDLE * MICRO, *(cleanup_span(limit) for limit in limits.values())])
-    elif isinstance(unknown_idle, (int, float)) and not isinstance(unknown_idle, bool) and unknown_idle >= 0:
-        unknown_span = round(unknown_idle * MICRO)
-    else:
+        unknown_idle = UNKNOWN_IDLE
+    if isinstance(unknown_idle, bool) or not isinstance(unknown_idle, (int, float)) or not unknown_idle >= 0:
         raise ValueError(f"unknown_idle must be a number of seconds >= 0, not {unknown_idle!r}")
+    unknown_span = round(unknown_idle * MICRO)
     alias = database_alias(database)
     if pause is None:
         # SQLite writers waiting for the lock poll, sleeping up to 100 ms between tries:

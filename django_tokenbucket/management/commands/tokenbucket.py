@@ -122,8 +122,8 @@ class Command(BaseCommand):
             "--unknown-idle",
             type=float,
             metavar="SECONDS",
-            help="With --remove-unknown: how long a row must be untouched (default: a week, or the longest "
-            "refill of a known limit if longer), since another service may use that limit.",
+            help="With --remove-unknown: how long a row must be untouched (default: a week), since another "
+            "service may use that limit.",
         )
         clean.add_argument("--dry-run", action="store_true", help="Report what would be deleted; delete nothing.")
         clean.add_argument("--max-seconds", type=float, help="Stop after this long (the next run continues).")
