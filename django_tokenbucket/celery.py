@@ -51,7 +51,7 @@ from .exceptions import RateLimited
 from .keys import EncodedKey
 from .models import Reservation
 from .reservations import WAITING, cancel, refund
-from .status import Status
+from .status import Status, ambiguous_truth
 
 __all__ = [
     "CELERY_DEFAULTS",
@@ -134,7 +134,7 @@ def max_eta(app: Any = None) -> float:
 class Scheduled(NamedTuple):
     """What ``schedule()`` returns: the limit's status and, when allowed, the reservation.
 
-    True when scheduled. ``ok`` and ``retry_after`` are the status': when denied,
+    ``ok`` is True when scheduled (a Scheduled has no truth value); ``ok`` and ``retry_after`` are the status': when denied,
     ``retry_after`` is the wait until the reservation would fit in ``max_reserved``.
     """
 
@@ -155,7 +155,7 @@ class Scheduled(NamedTuple):
         return None if self.reservation is None else self.reservation.eta
 
     def __bool__(self) -> bool:
-        return self.status.ok
+        raise ambiguous_truth("Scheduled")
 
 
 def current_reservation() -> Reservation | None:

@@ -9,6 +9,21 @@ from dataclasses import dataclass
 __all__ = ["MultiStatus", "Status"]
 
 
+def ambiguous_truth(kind: str) -> TypeError:
+    """Return the error for ``bool()`` of a decision's result.
+
+    "true when allowed" and "true when there is a result" are both natural readings, and
+    each silently breaks code written for the other: ``if limiter.limit(...)`` reads as
+    the first, ``status and status.retry_after`` (a RESPONSE callable, a template's
+    ``{% if status %}``) as the second, and the demo and our own docs fell for it. Asking
+    for ``.ok`` costs three characters and is never misread.
+    """
+    return TypeError(
+        f"a {kind} has no truth value: test .ok for whether the call was allowed, "
+        f"or `is not None` for whether there is a {kind}"
+    )
+
+
 @dataclass(frozen=True)
 class Status:
     """The outcome of one ``limit()`` or ``check()`` call on one limit.
@@ -19,6 +34,9 @@ class Status:
     a reservation, until the reserved tokens exist; otherwise None. ``reset_after`` is
     the time until the limit is full again, and ``timestamp`` the store's time of the
     decision, in seconds since the epoch.
+
+    Test ``status.ok``: ``bool(status)`` raises TypeError rather than guess which of
+    "allowed" and "present" the caller meant.
     """
 
     ok: bool
@@ -96,7 +114,7 @@ class Status:
         return max(1, math.ceil(self.retry_after))
 
     def __bool__(self) -> bool:
-        return self.ok
+        raise ambiguous_truth("Status")
 
 
 class MultiStatus(tuple[Status, ...]):
@@ -126,7 +144,7 @@ class MultiStatus(tuple[Status, ...]):
     @property
     def timestamp(self) -> float | None:
         """Return the store's time of the decision (one time serves the whole group)."""
-        return self[0].timestamp if self else None
+        return self[0].timestamp if len(self) else None
 
     def __bool__(self) -> bool:
-        return self.ok
+        raise ambiguous_truth("MultiStatus")

@@ -155,7 +155,7 @@ def sent(monkeypatch):
 def test_a_reservation_runs_when_its_tokens_exist(sent):
     with frozen_clock(T0):
         results = [schedule(record_effect.s(f"n{i}"), "slow", "k", config=SLOW) for i in range(4)]
-    assert all(isinstance(r, Scheduled) and r.ok and r for r in results)
+    assert all(isinstance(r, Scheduled) and r.ok for r in results)
     assert [r.retry_after for r in results] == [None, 10.0, 20.0, 30.0]
     assert [r.eta.timestamp() for r in results] == [T0, T0 + 10, T0 + 20, T0 + 30]
     assert [(pk, eta) for pk, eta, _ in sent] == [(str(r.reservation.pk), r.eta) for r in results]
@@ -171,7 +171,9 @@ def test_beyond_max_reserved_nothing_is_scheduled(sent):
             schedule(record_effect.s("x"), "slow", "k", config=SLOW)
         clock.advance(2)
         denied = schedule(record_effect.s("x"), "slow", "k", config=SLOW)
-        assert not denied.ok and not denied and denied.reservation is None and denied.eta is None
+        assert not denied.ok and denied.reservation is None and denied.eta is None
+        with pytest.raises(TypeError, match="a Scheduled has no truth value: test .ok"):
+            bool(denied)
         assert denied.retry_after == pytest.approx(8.0)
         with pytest.raises(RateLimited) as raised:
             schedule(record_effect.s("x"), "slow", "k", config=SLOW, throws=True)

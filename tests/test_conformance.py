@@ -105,6 +105,18 @@ def test_check_returns_what_limit_would_without_applying(clock):
             limiter.limit("ten_per_minute", "c", count=9)
 
 
+def test_a_result_has_no_truth_value(clock):
+    # "if status:" reads as "allowed" in a view and as "present" in a RESPONSE callable or
+    # a template; either guess silently breaks the other, so neither is made.
+    limiter.limit("ten_per_minute", "t", count=10)
+    denied, allowed = limiter.limit("ten_per_minute", "t"), limiter.limit("ten_per_minute", "u")
+    many = limiter.limit_many([("ten_per_minute", "v")])
+    for result, kind in ((denied, "Status"), (allowed, "Status"), (many, "MultiStatus")):
+        with pytest.raises(TypeError, match=f"a {kind} has no truth value: test .ok for whether the call was allowed"):
+            bool(result)
+    assert (denied.ok, allowed.ok, many.ok, many.timestamp) == (False, True, True, many[0].timestamp)
+
+
 def test_capacity_above_rate_allows_a_burst(clock):
     for _ in range(20):
         assert limiter.limit("burst", "b").ok
