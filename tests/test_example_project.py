@@ -356,6 +356,13 @@ def test_playground_charts_a_burst_in_headless_chromium(demo: Demo, tmp_path: Pa
         assert len(driver.find_elements(By.CSS_SELECTOR, "#chart .mark.denied")) == denied
         assert len(driver.find_elements(By.CSS_SELECTOR, "#chart .mark.allowed")) == allowed
         assert "429 denied, retry after" in driver.find_element(By.CSS_SELECTOR, "#log li.denied").text
+        # The log is in the order of the decisions, newest first, whatever order the
+        # burst's answers arrived in: by the store's time, then by what was left.
+        entries = [
+            (float(li.get_attribute("data-t")), -float(li.get_attribute("data-v")))
+            for li in driver.find_elements(By.CSS_SELECTOR, "#log li")
+        ]
+        assert len(entries) == 8 and entries == sorted(entries, reverse=True), entries
 
         # The polled line climbs back: the refill is drawn, not only the requests.
         lowest = number("value")
@@ -372,5 +379,19 @@ def test_playground_charts_a_burst_in_headless_chromium(demo: Demo, tmp_path: Pa
         target = Path(os.environ.get("TOKENBUCKET_SCREENSHOT") or tmp_path / "playground.png")
         assert driver.save_screenshot(str(target.resolve()))
         assert target.stat().st_size > 10_000  # a rendered page, not an empty canvas
+
+        # The admin's list of buckets fits a 1280 px screen beside its sidebar and filters.
+        driver.set_window_size(1280, 900)
+        driver.get(demo.base_url + "/admin/login/?next=/admin/django_tokenbucket/ratelimit/")
+        driver.find_element(By.NAME, "username").send_keys("admin")
+        driver.find_element(By.NAME, "password").send_keys("admin")
+        driver.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+        until(lambda: bool(driver.find_elements(By.ID, "result_list")), "the admin's list of buckets")
+        overflow = driver.execute_script(
+            "const results = document.querySelector('#changelist .results');"
+            "return [document.querySelectorAll('#result_list tbody tr').length,"
+            " results.scrollWidth - results.clientWidth, document.documentElement.scrollWidth - window.innerWidth];"
+        )
+        assert overflow[0] >= 3 and overflow[1:] == [0, 0], overflow
     finally:
         driver.quit()

@@ -16,6 +16,7 @@ let samples = [];          // {t, v}: the bucket's value at the store's time t
 let marks = [];            // {t, v, ok}: one per request fired
 let clockOffset = 0;       // store time minus this browser's time, in seconds
 let generation = 0;        // bumped on a switch of limit, so late answers are dropped
+let latest = null;         // the sample of the newest decision or poll, by the store's time
 
 const el = (name, attributes, parent) => {
   const node = document.createElementNS(SVG, name);
@@ -26,9 +27,18 @@ const el = (name, attributes, parent) => {
 const fmt = (x) => (Math.round(x * 100) / 100).toString();
 
 function record(status) {
-  clockOffset = status.timestamp - Date.now() / 1000;
-  samples.push({t: status.timestamp, v: status.value});
+  const sample = {t: status.timestamp, v: status.value};
+  samples.push(sample);
+  // Answers of a burst arrive in any order; the newest decision is the one that counts.
+  if (!latest || sample.t >= latest.t) {
+    latest = sample;
+    clockOffset = status.timestamp - Date.now() / 1000;
+  }
 }
+
+// Newest first, as decided: by the store's time, and at one time by what was left
+// (each decision of a burst leaves less than the one before it).
+const decidedAfter = (a, b) => a.t > b.t || (a.t === b.t && a.v < b.v);
 
 async function poll() {
   const mine = generation;
@@ -60,13 +70,17 @@ async function fire() {
   chart.dataset[status.ok ? "allowed" : "denied"] = Number(chart.dataset[status.ok ? "allowed" : "denied"]) + 1;
   let text = `${response.status} ${status.ok ? "allowed" : "denied"}`;
   if (status.retry_after !== null) text += `, retry after ${fmt(status.retry_after)} s`;
-  document.getElementById("answer").textContent = text;
   const entry = document.createElement("li");
   entry.className = status.ok ? "allowed" : "denied";
+  entry.dataset.t = status.timestamp;
+  entry.dataset.v = status.value;
   entry.textContent = `${new Date((status.timestamp) * 1000).toISOString().slice(11, 23)}  took ${status.count} → ${text}` +
     `; ${fmt(status.value)} left`;
   const log = document.getElementById("log");
-  log.prepend(entry);
+  const decision = {t: status.timestamp, v: status.value};
+  const older = [...log.children].find((li) => decidedAfter(decision, {t: Number(li.dataset.t), v: Number(li.dataset.v)}));
+  log.insertBefore(entry, older || null);
+  if (log.firstChild === entry) document.getElementById("answer").textContent = text;
   while (log.children.length > 8) log.lastChild.remove();
 }
 
@@ -77,8 +91,7 @@ function showLimit() {
   const per = limit.period === 1 ? "s" : `${fmt(limit.period)} s`;
   const window = limit.kind === "fixed window" ? " window" : "";
   document.getElementById("refill").textContent = `${fmt(limit.rate)} per ${per}${window}`;
-  const last = samples[samples.length - 1];
-  if (last) document.getElementById("value").textContent = fmt(last.v);
+  if (latest) document.getElementById("value").textContent = fmt(latest.v);
 }
 
 function draw() {
@@ -130,8 +143,7 @@ function draw() {
     }
   }
   chart.dataset.samples = samples.length;
-  const last = samples[samples.length - 1];
-  if (last) chart.dataset.value = last.v;
+  if (latest) chart.dataset.value = latest.v;
 }
 
 async function burst(n) {
@@ -143,6 +155,7 @@ select.addEventListener("change", () => {
   generation += 1;
   samples = [];
   marks = [];
+  latest = null;
   limit = null;
   chart.dataset.allowed = chart.dataset.denied = 0;
   document.getElementById("log").replaceChildren();
