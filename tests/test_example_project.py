@@ -392,6 +392,7 @@ def test_playground_charts_a_burst_in_headless_chromium(demo: Demo, tmp_path: Pa
             "return [document.querySelectorAll('#result_list tbody tr').length,"
             " results.scrollWidth - results.clientWidth, document.documentElement.scrollWidth - window.innerWidth];"
         )
-        assert overflow[0] >= 3 and overflow[1:] == [0, 0], overflow
+        rows, hidden_in_table, hidden_in_page = overflow
+        assert rows >= 3 and hidden_in_table <= 0 and hidden_in_page <= 0, overflow
     finally:
         driver.quit()
