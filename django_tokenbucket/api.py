@@ -68,16 +68,20 @@ class Limiter:
     any name with an inline ``config``) and a ``key`` (None for one global bucket; a
     str, bytes, int, or a tuple of these).
 
-    ``limiter`` decides on the configured backend; ``Limiter(backend)`` on another one
-    (the django-ratelimit compatibility layer uses one per ``RATELIMIT_USE_CACHE``).
+    ``limiter`` decides each limit on its backend (the alias in its ``"backend"``,
+    ``"default"`` unless it says otherwise); ``Limiter(backend)`` decides every limit on
+    that one (the django-ratelimit compatibility layer uses one per
+    ``RATELIMIT_USE_CACHE``).
     """
 
     def __init__(self, backend: BaseBackend | None = None) -> None:
         self._own_backend = backend
 
-    def backend(self) -> BaseBackend:
-        """Return the backend this limiter decides on."""
-        return self._own_backend if self._own_backend is not None else get_backend()
+    def backend(self, limit: LimitConfig | None = None) -> BaseBackend:
+        """Return the backend that decides ``limit`` (by default, the default alias's)."""
+        if self._own_backend is not None:
+            return self._own_backend
+        return get_backend() if limit is None else get_backend(limit.backend)
 
     def resolve(self, name: str, config: ConfigSpec | None = None) -> LimitConfig:
         """Return the parsed config of ``name``; raise ImproperlyConfigured if unknown or invalid."""
@@ -172,10 +176,11 @@ class Limiter:
         limit = self.resolve(name, config)
         encoded = self._encode(limit, key)
         try:
+            backend = self.backend(limit)
             if limit.shards == 1:
-                self.backend().reset(limit, encoded)
+                backend.reset(limit, encoded)
             for index, shard in enumerate(shard_configs(limit) if limit.shards > 1 else ()):
-                self.backend().reset(shard, shard_key(encoded, index, limit.shards))
+                backend.reset(shard, shard_key(encoded, index, limit.shards))
         except BackendError as exc:
             throttled_logger.warning(limit.name, "rate limit %r: reset failed: %s", limit.name, exc)
             raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
@@ -214,7 +219,7 @@ class Limiter:
         """
         try:
             if limit.shards == 1:
-                outcome = self.backend().refund(limit, encoded, amount)
+                outcome = self.backend(limit).refund(limit, encoded, amount)
                 return self._status(limit, key, amount, outcome.decisions[0], outcome.now)
             shards = shard_configs(limit)
             read = self._read_shards(limit, encoded).decisions
@@ -224,7 +229,7 @@ class Limiter:
                 if left <= 0 or room <= 0:
                     break
                 given = min(room, left)
-                self.backend().refund(shards[index], shard_key(encoded, index, limit.shards), given)
+                self.backend(limit).refund(shards[index], shard_key(encoded, index, limit.shards), given)
                 left -= given
         except BackendError as exc:
             throttled_logger.warning(limit.name, "rate limit %r: refund failed: %s", limit.name, exc)
@@ -293,6 +298,8 @@ class Limiter:
             count = limit.validate_count(item.count, item.reserve)
             limits.append(limit)
             requests.append(Request(limit, self._encode(limit, item.key), count, item.reserve))
+        if self._own_backend is None:
+            one_backend(limits)
 
         statuses: list[Status | None] = [None] * len(items)
         planned = self._plan_shards(requests)
@@ -398,7 +405,7 @@ class Limiter:
     ) -> Outcome | None:
         """Run the backend; on a store failure return None (fail open) or raise BackendUnavailable."""
         try:
-            return self.backend().decide(requests, apply=apply)
+            return self.backend(limit).decide(requests, apply=apply)
         except BackendError as exc:
             if fail_open is None:
                 fail_open = bool(tokenbucket_settings.FAIL_OPEN)
@@ -466,6 +473,25 @@ class Limiter:
             timestamp=None,
             failed_open=True,
             shadow=limit.shadow,
+        )
+
+
+def one_backend(limits: Sequence[LimitConfig]) -> None:
+    """Raise ImproperlyConfigured unless every limit is stored on the same backend.
+
+    Limits decided together are decided all-or-nothing, in one transaction or one
+    script; two stores cannot share one, and deciding them one after the other would
+    spend on one store what the other then refuses.
+    """
+    aliases: dict[str, list[str]] = {}
+    for limit in limits:
+        aliases.setdefault(limit.backend, []).append(limit.name)
+    if len(aliases) > 1:
+        stores = "; ".join(f"{alias!r}: {', '.join(map(repr, names))}" for alias, names in aliases.items())
+        raise ImproperlyConfigured(
+            f"rate limits decided together must be stored on one backend, and these are not ({stores}): "
+            f"one decision across two stores cannot be all-or-nothing. Decide them in separate calls, "
+            f"or give them the same 'backend'."
         )
 
 

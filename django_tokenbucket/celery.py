@@ -134,8 +134,9 @@ def max_eta(app: Any = None) -> float:
 class Scheduled(NamedTuple):
     """What ``schedule()`` returns: the limit's status and, when allowed, the reservation.
 
-    ``ok`` is True when scheduled (a Scheduled has no truth value); ``ok`` and ``retry_after`` are the status': when denied,
-    ``retry_after`` is the wait until the reservation would fit in ``max_reserved``.
+    ``ok`` is True when scheduled (a Scheduled has no truth value). ``ok`` and
+    ``retry_after`` are the status': when denied, ``retry_after`` is the wait until the
+    reservation would fit in ``max_reserved``.
     """
 
     status: Status
@@ -203,7 +204,7 @@ def schedule(
     options = _options(stored_signature)
     encoded = limiter._encode(limit, key)
     alias = reservations.database_alias()
-    shared = reservations.shares_transaction(alias)
+    shared = reservations.shares_transaction(alias, limit)
     cap = max_eta()
 
     with transaction.atomic(using=alias):

@@ -9,12 +9,12 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-from .conf import DEFAULT_BACKEND, DEFAULTS
-from .config import parse_limit
+from .conf import DEFAULT_BACKEND, DEFAULTS, parse_backends
+from .config import DEFAULT_BACKEND_ALIAS, parse_limit
 from .ip import ip_settings_problems
 from .rates import parse_rate
 
-__all__ = ["check_database", "check_settings"]
+__all__ = ["check_backends", "check_settings"]
 
 _SETTINGS_HINT = "See the settings reference in the django_tokenbucket docs (docs/settings.md)."
 
@@ -78,7 +78,6 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                     )
                 )
 
-    errors.extend(_check_backend(user))
 
     if not isinstance(user.get("FAIL_OPEN", False), bool):
         errors.append(
@@ -155,106 +154,54 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     return errors
 
 
-def _check_backend(user: dict[str, Any]) -> list[checks.CheckMessage]:
-    from .backends.base import BaseBackend
-
-    backend = user.get("BACKEND", DEFAULT_BACKEND)
-    problem = None
-    if not isinstance(backend, str):
-        problem = "must be a dotted path (a str)"
-    else:
-        try:
-            backend_class = import_string(backend)
-        except ImportError as exc:
-            problem = f"cannot be imported: {exc}"
-        else:
-            if not (isinstance(backend_class, type) and issubclass(backend_class, BaseBackend)):
-                problem = "is not a subclass of django_tokenbucket.backends.base.BaseBackend"
-    errors: list[checks.CheckMessage] = []
-    if problem:
-        errors.append(
-            checks.Error(
-                f"TOKENBUCKET['BACKEND'] = {backend!r} {problem}.",
-                hint=f"The default is {DEFAULT_BACKEND!r}.",
-                id="django_tokenbucket.E005",
-            )
-        )
-    options = user.get("OPTIONS", {})
-    if not isinstance(options, dict):
-        errors.append(
-            checks.Error(
-                f"TOKENBUCKET['OPTIONS'] must be a dict, not {type(options).__name__}.",
-                hint="For the database backend: {'DATABASE': '<alias>'}.",
-                id="django_tokenbucket.E010",
-            )
-        )
-    return errors
-
-
-@checks.register()
-def check_database(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    """Check the database backend's options, and warn on SQLite without IMMEDIATE transactions.
-
-    SQLite's default DEFERRED transactions take the write lock only at the first write,
-    so two decisions can read the same state and then fail with "database is locked".
-    """
-    from django.db import connections, router
-
-    from .backends.database import OPTION_DEFAULTS, timeout_option
-    from .models import RateLimit
+@checks.register(checks.Tags.caches)  # tagged so that ``check --tag caches`` includes the Redis ones
+def check_backends(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Check every backend alias (each backend checks its own OPTIONS) and the limits' aliases."""
+    from .backends import backend_class
 
     user = getattr(settings, "TOKENBUCKET", {})
-    if not isinstance(user, dict) or user.get("BACKEND", DEFAULT_BACKEND) != DEFAULT_BACKEND:
-        return []
-    options = user.get("OPTIONS") or {}
-    if not isinstance(options, dict):
-        return []  # reported by check_settings (E010)
-    messages: list[checks.CheckMessage] = []
-    unknown = sorted(map(repr, set(options) - set(OPTION_DEFAULTS)))
-    if unknown:
-        messages.append(
+    if not isinstance(user, dict):
+        return []  # reported by check_settings (E001)
+    try:
+        configured = parse_backends(user)
+    except ImproperlyConfigured as exc:
+        options_not_dict = "OPTIONS'] must be a dict" in str(exc)
+        return [
             checks.Error(
-                f"TOKENBUCKET['OPTIONS'] has unknown option(s) for the database backend: {', '.join(unknown)}.",
-                hint=f"The database backend takes {', '.join(map(repr, OPTION_DEFAULTS))}.",
-                id="django_tokenbucket.E013",
+                f"{exc}.",
+                hint=_BACKENDS_HINT,
+                id="django_tokenbucket.E010" if options_not_dict else "django_tokenbucket.E018",
             )
-        )
-    for flag in ("FAST_PATH", "ASYNC_COMMIT"):
-        if flag in options and not isinstance(options[flag], bool):
+        ]
+    messages: list[checks.CheckMessage] = []
+    for path, options, where in configured.values():
+        try:
+            found = backend_class(path, f"{where}['BACKEND']")
+        except ImproperlyConfigured as exc:
+            messages.append(
+                checks.Error(f"{exc}.", hint=f"The default is {DEFAULT_BACKEND!r}.", id="django_tokenbucket.E005")
+            )
+            continue
+        messages += found.check_options(options, where)
+    limits = user.get("LIMITS", {})
+    for name, spec in limits.items() if isinstance(limits, dict) else ():
+        alias = spec.get("backend", DEFAULT_BACKEND_ALIAS) if isinstance(spec, dict) else DEFAULT_BACKEND_ALIAS
+        if isinstance(alias, str) and alias not in configured:
             messages.append(
                 checks.Error(
-                    f"TOKENBUCKET['OPTIONS'][{flag!r}] must be True or False, not {options[flag]!r}.",
-                    id="django_tokenbucket.E014",
-                )
-            )
-    try:
-        timeout_option(options.get("TIMEOUT"))
-    except ValueError as exc:
-        messages.append(checks.Error(str(exc), id="django_tokenbucket.E015"))
-    alias = options.get("DATABASE") or router.db_for_write(RateLimit)
-    if alias not in settings.DATABASES:
-        messages.append(
-            checks.Error(
-                f"TOKENBUCKET['OPTIONS']['DATABASE'] = {alias!r} is not in DATABASES.",
-                id="django_tokenbucket.E009",
-            )
-        )
-        return messages
-    connection = connections[alias]
-    if connection.vendor == "sqlite":
-        mode = str(connection.settings_dict.get("OPTIONS", {}).get("transaction_mode") or "").upper()
-        if mode != "IMMEDIATE":
-            messages.append(
-                checks.Warning(
-                    f"Rate limits are stored in the SQLite database {alias!r} without "
-                    f"IMMEDIATE transactions: concurrent requests will fail with "
-                    f"'database is locked'.",
-                    hint=f"Set DATABASES[{alias!r}]['OPTIONS'] = {{'transaction_mode': "
-                    f"'IMMEDIATE', 'timeout': 5}} (Django 5.1+).",
-                    id="django_tokenbucket.W001",
+                    f"Rate limit {name!r} is stored on backend {alias!r}, which is not in TOKENBUCKET['BACKENDS'] "
+                    f"(aliases: {', '.join(map(repr, configured))}).",
+                    hint=_BACKENDS_HINT,
+                    id="django_tokenbucket.E019",
                 )
             )
     return messages
+
+
+_BACKENDS_HINT = (
+    "TOKENBUCKET = {'BACKENDS': {'default': {'BACKEND': ..., 'OPTIONS': {...}}, 'fast': {...}}}, and "
+    "'backend': 'fast' in a limit's config (docs/settings.md#backends)."
+)
 
 
 @checks.register(checks.Tags.urls)
@@ -265,7 +212,7 @@ def check_declared_limits(app_configs: Any = None, **kwargs: Any) -> list[checks
     """
     from django.urls import get_resolver
 
-    from .decorators import declared_limits
+    from .decorators import declared_limits, declared_stacks
 
     try:
         get_resolver().url_patterns  # noqa: B018  (importing the views registers their limits)
@@ -275,7 +222,7 @@ def check_declared_limits(app_configs: Any = None, **kwargs: Any) -> list[checks
     limits = user.get("LIMITS", {}) if isinstance(user, dict) else None
     if not isinstance(limits, dict):
         return []  # reported by check_settings (E001/E002)
-    return [
+    messages: list[checks.CheckMessage] = [
         checks.Error(
             f"{view} uses rate limit {name!r}, which is not in TOKENBUCKET['LIMITS'].",
             hint="Define it in TOKENBUCKET['LIMITS'], or give @ratelimit a rate= to define it inline.",
@@ -285,119 +232,25 @@ def check_declared_limits(app_configs: Any = None, **kwargs: Any) -> list[checks
         for name, view in sorted(declared_limits().items())
         if name not in limits
     ]
-
-
-REDIS_CACHE_HINT = (
-    "Point TOKENBUCKET['OPTIONS']['CACHE'] at a cache whose BACKEND is 'django_redis.cache.RedisCache' "
-    "(pip install 'dj-tokenbucket[redis]')."
-)
-
-
-@checks.register(checks.Tags.caches)
-def check_redis(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    """Check the cache behind the Redis backend: it exists, is django-redis, and never evicts.
-
-    Under an evicting ``maxmemory-policy`` Redis may delete a bucket's key when memory
-    runs out, and a missing key reads as a full bucket: a silent reset. The policy is
-    read with ``CONFIG GET``; when Redis is down or denies CONFIG (as managed services
-    may), the check says nothing rather than guess.
-    """
-    user = getattr(settings, "TOKENBUCKET", {})
-    if not isinstance(user, dict) or not _is_redis_backend(user.get("BACKEND", DEFAULT_BACKEND)):
-        return []
-    options = user.get("OPTIONS") or {}
-    if not isinstance(options, dict):
-        return []  # reported by check_settings (E010)
-    messages: list[checks.CheckMessage] = []
-    unknown = sorted(map(repr, set(options) - {"CACHE"}))
-    if unknown:
-        messages.append(
-            checks.Error(
-                f"TOKENBUCKET['OPTIONS'] has unknown option(s) for the Redis backend: {', '.join(unknown)}.",
-                hint="The Redis backend takes {'CACHE': '<alias in CACHES>'} (default 'default').",
-                id="django_tokenbucket.E021",
+    # A stack of @ratelimit is decided all-or-nothing: on one backend, or not at all.
+    for view, stack in sorted(declared_stacks().items()):
+        stores: dict[str, list[str]] = {}
+        for name, inline in stack:
+            spec = inline if inline is not None else limits.get(name)
+            alias = spec.get("backend", DEFAULT_BACKEND_ALIAS) if isinstance(spec, dict) else DEFAULT_BACKEND_ALIAS
+            stores.setdefault(str(alias), []).append(name)
+        if len(stores) > 1:
+            where = "; ".join(f"{alias!r}: {', '.join(map(repr, names))}" for alias, names in stores.items())
+            messages.append(
+                checks.Error(
+                    f"{view} stacks @ratelimit on limits stored on different backends ({where}); a request "
+                    f"is decided on all of them at once, all-or-nothing, which two stores cannot do.",
+                    hint="Give the limits of one view the same 'backend'.",
+                    obj=view,
+                    id="django_tokenbucket.E022",
+                )
             )
-        )
-    alias = options.get("CACHE", "default")
-    cache_settings: dict[str, Any] = getattr(settings, "CACHES", {})
-    if not isinstance(alias, str) or alias not in cache_settings:
-        messages.append(
-            checks.Error(
-                f"TOKENBUCKET['OPTIONS']['CACHE'] = {alias!r} is not an alias in CACHES.",
-                hint=REDIS_CACHE_HINT,
-                id="django_tokenbucket.E020",
-            )
-        )
-        return messages
-    cache_backend = cache_settings[alias].get("BACKEND")
-    if not _is_django_redis(cache_backend):
-        messages.append(
-            checks.Warning(
-                f"The Redis rate-limit backend uses CACHES[{alias!r}], whose BACKEND {cache_backend!r} "
-                f"is not a django-redis cache: every rate-limit call will fail.",
-                hint=REDIS_CACHE_HINT,
-                id="django_tokenbucket.W020",
-            )
-        )
-        return messages
-    policy = _eviction_policy(alias)
-    if policy is not None and policy != "noeviction":
-        messages.append(
-            checks.Warning(
-                f"The Redis behind CACHES[{alias!r}] has maxmemory-policy {policy!r}: when its memory is "
-                f"full it may delete rate-limit keys, and a deleted bucket reads as full again.",
-                hint="Set maxmemory-policy to 'noeviction' (a full Redis then fails calls, and "
-                "FAIL_OPEN decides), or give the limits a Redis of their own.",
-                id="django_tokenbucket.W021",
-            )
-        )
     return messages
-
-
-def _is_redis_backend(path: object) -> bool:
-    if not isinstance(path, str):
-        return False
-    try:
-        from .backends.redis import RedisBackend
-
-        backend_class = import_string(path)
-    except ImportError:
-        return False  # reported by check_settings (E005) when it is the configured backend
-    return isinstance(backend_class, type) and issubclass(backend_class, RedisBackend)
-
-
-def _is_django_redis(path: object) -> bool:
-    if not isinstance(path, str):
-        return False
-    try:
-        from django_redis.cache import RedisCache
-
-        cache_class = import_string(path)
-    except ImportError:
-        return False
-    return isinstance(cache_class, type) and issubclass(cache_class, RedisCache)
-
-
-def _eviction_policy(alias: str) -> str | None:
-    """Return Redis' maxmemory-policy, the first evicting one of a cluster's nodes, or None if unknown."""
-    try:
-        from django_redis import get_redis_connection
-
-        reply = get_redis_connection(alias).config_get("maxmemory-policy")
-    except Exception:  # down, CONFIG denied or renamed, not a Redis: nothing to report
-        return None
-    policies = []
-    pending: list[Any] = [reply]
-    while pending:  # a cluster client answers per node: {node: {name: value}}
-        item = pending.pop()
-        if isinstance(item, dict):
-            for name, value in item.items():
-                if isinstance(value, dict):
-                    pending.append(value)
-                elif (name.decode() if isinstance(name, bytes) else name) == "maxmemory-policy":
-                    policies.append(value.decode() if isinstance(value, bytes) else str(value))
-    evicting = sorted(p for p in policies if p != "noeviction")
-    return evicting[0] if evicting else (policies[0] if policies else None)
 
 
 # -- DRF throttles and the django-ratelimit compatibility layer --------------------------
@@ -504,6 +357,8 @@ def _api_views(patterns: Any) -> list[Any]:
 @checks.register(checks.Tags.caches)
 def check_ratelimit_compat(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Check the ``RATELIMIT_*`` settings read by ``django_tokenbucket.compat.ratelimit``."""
+    from .backends import is_django_redis
+
     messages: list[checks.CheckMessage] = []
     alias = getattr(settings, "RATELIMIT_USE_CACHE", None)
     caches = getattr(settings, "CACHES", {})
@@ -518,7 +373,7 @@ def check_ratelimit_compat(app_configs: Any = None, **kwargs: Any) -> list[check
             )
         else:
             backend = caches[alias].get("BACKEND", "")
-            if not _is_django_redis(backend) and backend != "django.core.cache.backends.dummy.DummyCache":
+            if not is_django_redis(backend) and backend != "django.core.cache.backends.dummy.DummyCache":
                 messages.append(
                     checks.Warning(
                         f"RATELIMIT_USE_CACHE = {alias!r} is a {backend}, which cannot hold a limit atomically: "

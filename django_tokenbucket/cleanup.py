@@ -99,12 +99,8 @@ def database_alias(database: str | None = None) -> str:
     if database:
         return database
     from .backends import get_backend
-    from .backends.database import DatabaseBackend
 
-    backend = get_backend()
-    if isinstance(backend, DatabaseBackend):
-        return backend.alias()
-    return router.db_for_write(RateLimit)
+    return get_backend().database_alias() or router.db_for_write(RateLimit)
 
 
 def unknown_names(known: Iterable[str], database: str | None = None) -> dict[str, int]:

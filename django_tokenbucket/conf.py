@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from .config import LimitConfig, parse_limit
+from .config import DEFAULT_BACKEND_ALIAS, LimitConfig, parse_limit
 
-__all__ = ["DEFAULTS", "tokenbucket_settings"]
+__all__ = ["DEFAULTS", "BackendSettings", "tokenbucket_settings"]
 
 DEFAULT_BACKEND = "django_tokenbucket.backends.database.DatabaseBackend"
 
 DEFAULTS: dict[str, Any] = {
     "BACKEND": DEFAULT_BACKEND,
     "OPTIONS": {},
+    # Several stores at once, by alias as CACHES does: {"default": {"BACKEND": ...,
+    # "OPTIONS": {...}}, "fast": {...}}; a limit picks one with "backend": "<alias>".
+    # Without it, BACKEND and OPTIONS are the "default" alias.
+    "BACKENDS": None,
     "LIMITS": {},
     "FAIL_OPEN": False,
     # Serialization failures and deadlocks, when the limiter owns the transaction.
@@ -48,6 +52,16 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+class BackendSettings(NamedTuple):
+    """One alias of ``TOKENBUCKET["BACKENDS"]``, and the setting to name in its errors."""
+
+    path: str
+    options: dict[str, Any]
+    #: Where it is set, for messages: ``TOKENBUCKET`` (its BACKEND and OPTIONS) or
+    #: ``TOKENBUCKET['BACKENDS']['fast']``.
+    where: str
+
+
 class TokenBucketSettings:
     """Attribute access to ``settings.TOKENBUCKET`` merged over DEFAULTS.
 
@@ -58,6 +72,7 @@ class TokenBucketSettings:
     def __init__(self) -> None:
         self._cache: dict[str, Any] = {}
         self._limits: dict[str, LimitConfig] | None = None
+        self._backends: dict[str, BackendSettings] | None = None
 
     @property
     def user_settings(self) -> dict[str, Any]:
@@ -84,9 +99,50 @@ class TokenBucketSettings:
             self._limits = {name: parse_limit(name, spec) for name, spec in raw.items()}
         return self._limits
 
+    def backends(self) -> dict[str, BackendSettings]:
+        """Return every backend alias with its class path and options; raise ImproperlyConfigured if malformed."""
+        if self._backends is None:
+            self._backends = parse_backends(self.user_settings)
+        return self._backends
+
     def reload(self) -> None:
         self._cache.clear()
         self._limits = None
+        self._backends = None
+
+
+def parse_backends(user: dict[str, Any]) -> dict[str, BackendSettings]:
+    """Read ``BACKENDS`` (or the top-level ``BACKEND``/``OPTIONS`` as its "default")."""
+    aliases = user.get("BACKENDS")
+    if aliases is None:
+        options = user.get("OPTIONS", {})
+        if not isinstance(options, dict):
+            raise ImproperlyConfigured(f"TOKENBUCKET['OPTIONS'] must be a dict, not {type(options).__name__}")
+        path = user.get("BACKEND", DEFAULT_BACKEND)
+        return {DEFAULT_BACKEND_ALIAS: BackendSettings(path, options, "TOKENBUCKET")}
+    if "BACKEND" in user or "OPTIONS" in user:
+        raise ImproperlyConfigured(
+            "TOKENBUCKET has both BACKENDS and BACKEND/OPTIONS: give the default store as "
+            "BACKENDS['default'] and remove the top-level BACKEND and OPTIONS"
+        )
+    if not isinstance(aliases, dict) or DEFAULT_BACKEND_ALIAS not in aliases:
+        raise ImproperlyConfigured(
+            "TOKENBUCKET['BACKENDS'] must be a dict of alias -> {'BACKEND': ..., 'OPTIONS': {...}} "
+            f"with a 'default' alias, not {aliases!r}"
+        )
+    parsed = {}
+    for alias, entry in aliases.items():
+        where = f"TOKENBUCKET['BACKENDS'][{alias!r}]"
+        if not isinstance(alias, str) or not isinstance(entry, dict):
+            raise ImproperlyConfigured(f"{where} must be a dict such as {{'BACKEND': {DEFAULT_BACKEND!r}}}")
+        unknown = sorted(map(repr, set(entry) - {"BACKEND", "OPTIONS"}))
+        if unknown:
+            raise ImproperlyConfigured(f"{where} has unknown key(s) {', '.join(unknown)}: it takes BACKEND and OPTIONS")
+        options = entry.get("OPTIONS", {})
+        if not isinstance(options, dict):
+            raise ImproperlyConfigured(f"{where}['OPTIONS'] must be a dict, not {type(options).__name__}")
+        parsed[alias] = BackendSettings(entry.get("BACKEND", DEFAULT_BACKEND), options, where)
+    return parsed
 
 
 tokenbucket_settings = TokenBucketSettings()

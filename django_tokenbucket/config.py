@@ -25,7 +25,9 @@ _KIND_ALIASES = {
     "fixed window": FIXED_WINDOW,
     "fixed_window": FIXED_WINDOW,
 }
-_KNOWN_KEYS = {"kind", "rate", "period", "capacity", "max_reserved", "start", "shadow", "shards"}
+_KNOWN_KEYS = {"kind", "rate", "period", "capacity", "max_reserved", "start", "shadow", "shards", "backend"}
+#: The alias of the backend a limit is stored on when it names none.
+DEFAULT_BACKEND_ALIAS = "default"
 #: More shards than this spread a limit thinner than any deployment needs.
 MAX_SHARDS = 1024
 #: Periods are whole microseconds and must fit the integer arithmetic comfortably.
@@ -61,6 +63,8 @@ class LimitConfig:
     shadow: bool = False
     #: Spread over this many buckets, for a hot limit (``django_tokenbucket.shards``).
     shards: int = 1
+    #: The alias in ``TOKENBUCKET["BACKENDS"]`` of the store that holds this limit.
+    backend: str = DEFAULT_BACKEND_ALIAS
 
     @property
     def period_seconds(self) -> float:
@@ -303,8 +307,13 @@ def _parse_spec(name: str, spec: object) -> LimitConfig:
             f"(a millionth of a token); choose a number of shards that divides them"
         )
 
+    backend = spec.get("backend", DEFAULT_BACKEND_ALIAS)
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend must be an alias in TOKENBUCKET['BACKENDS'] (a str), not {backend!r}")
+
     return LimitConfig(
         name=name,
+        backend=backend,
         shadow=shadow,
         kind=kind,
         rate=rate,

@@ -40,9 +40,19 @@ View = TypeVar("View", bound=Callable[..., Any])
 _declared: dict[str, str] = {}
 
 
+#: Stacks of @ratelimit decided together (the view -> its limits' names and inline
+#: configs), for the system check that each stack is stored on one backend.
+_stacks: dict[str, tuple[tuple[str, dict[str, Any] | None], ...]] = {}
+
+
 def declared_limits() -> dict[str, str]:
     """Return the LIMITS names used by ``@ratelimit(name)`` so far, with the view using each."""
     return dict(_declared)
+
+
+def declared_stacks() -> dict[str, tuple[tuple[str, dict[str, Any] | None], ...]]:
+    """Return the stacks of two or more ``@ratelimit`` seen so far, by view: (name, inline config) each."""
+    return dict(_stacks)
 
 
 def _methods(method: str | Iterable[str] | None) -> frozenset[str] | None:
@@ -62,6 +72,7 @@ def ratelimit(
     capacity: float | None = None,
     kind: str | None = None,
     shadow: bool = False,
+    backend: str | None = None,
     count: float | Callable[[HttpRequest], float] = 1,
     method: str | Iterable[str] | None = ALL,
     block: bool = True,
@@ -71,7 +82,8 @@ def ratelimit(
     ``name`` is a limit in ``TOKENBUCKET["LIMITS"]``; or give ``rate`` (``"5/m"``, or a
     number with ``period``) and optionally ``capacity``, ``kind`` and ``shadow`` to
     define one inline, named after the view (``module.qualname``) unless ``name`` is
-    given. ``key`` says whose bucket a request uses: ``"ip"`` (default), ``"user"``,
+    given, and stored on ``backend`` (an alias of ``TOKENBUCKET["BACKENDS"]``). ``key``
+    says whose bucket a request uses: ``"ip"`` (default), ``"user"``,
     ``"user_or_ip"``, ``"header:<name>"``, ``"get:<param>"``, ``"post:<field>"``, a
     callable ``(request) -> key`` or a dotted path to one (returning None exempts the
     request). ``count`` (or a callable of the request) weighs a request; ``method``
@@ -89,14 +101,14 @@ def ratelimit(
     config: dict[str, Any] | None = None
     if rate is not None:
         config = {"rate": rate}
-        for option, value in (("period", period), ("capacity", capacity), ("kind", kind)):
+        for option, value in (("period", period), ("capacity", capacity), ("kind", kind), ("backend", backend)):
             if value is not None:
                 config[option] = value
         if shadow:
             config["shadow"] = True
-    elif period is not None or capacity is not None or kind is not None or shadow:
+    elif period is not None or capacity is not None or kind is not None or shadow or backend is not None:
         raise ImproperlyConfigured(
-            "@ratelimit: period, capacity, kind and shadow define an inline limit and need rate= "
+            "@ratelimit: period, capacity, kind, shadow and backend define an inline limit and need rate= "
             "(or define the limit in TOKENBUCKET['LIMITS'] and pass its name)"
         )
     elif name is None:
@@ -114,6 +126,7 @@ def ratelimit(
                 capacity=capacity,
                 kind=kind,
                 shadow=shadow,
+                backend=backend,
                 count=count,
                 method=method,
                 block=block,
@@ -131,6 +144,8 @@ def ratelimit(
         # This decorator and every @ratelimit below it: the first of them to see a request
         # decides them all at once, so a request refused by one spends nothing on the others.
         chain = (this, *below)
+        if below:
+            _stacks[f"{view.__module__}.{view.__qualname__}"] = tuple((limit.name, limit.config) for limit in chain)
 
         if iscoroutinefunction(view):
 

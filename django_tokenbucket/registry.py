@@ -101,14 +101,16 @@ def _throttle_rates() -> dict[str, LimitConfig]:
     return limits
 
 
-def known_limits(*, load_views: bool = True) -> dict[str, KnownLimit]:
+def known_limits(*, load_views: bool = True, as_rows: bool = True) -> dict[str, KnownLimit]:
     """Return every limit this process can interpret, by name.
 
     Precedence follows the limiter's: a scope in ``LIMITS`` wins over the same scope in
     ``DEFAULT_THROTTLE_RATES``, and an inline config passed at a call site wins over
     ``LIMITS``. With ``load_views`` the URLconf is imported first, so that limits
     declared inline by ``@ratelimit`` on its views are known even in a process (a
-    management command, a Celery worker) that has served no request.
+    management command, a Celery worker) that has served no request. With ``as_rows``
+    a sharded limit's config is that of one of its rows (a shard); without, the whole
+    limit's, as a caller of the limiter sees it.
     """
     if load_views:
         _load_views()
@@ -120,6 +122,8 @@ def known_limits(*, load_views: bool = True) -> dict[str, KnownLimit]:
     # A throttle decides its scope with an inline config, remembered as it was then: the
     # scope's rate as configured now is what its rows mean.
     known.update((config.name, KnownLimit(config, INLINE)) for config in inline if config.name not in throttles)
+    if not as_rows:
+        return known
     # A sharded limit's rows are its shards: they read (in the admin, for cleanup) under
     # a shard's config.
     return {name: replace(limit, config=row_config(limit.config)) for name, limit in known.items()}

@@ -23,8 +23,6 @@ from django.db import router, transaction
 from django.utils import timezone
 
 from .api import limiter
-from .backends import get_backend
-from .backends.database import DatabaseBackend
 from .conf import tokenbucket_settings
 from .config import LimitConfig, to_micro
 from .exceptions import BackendUnavailable
@@ -60,10 +58,9 @@ def database_alias() -> str:
     return router.db_for_write(Reservation)
 
 
-def shares_transaction(alias: str) -> bool:
-    """Return True when tokens and reservations are written in one transaction on ``alias``."""
-    backend = get_backend()
-    return isinstance(backend, DatabaseBackend) and backend.alias() == alias
+def shares_transaction(alias: str, limit: LimitConfig) -> bool:
+    """Return True when ``limit``'s tokens and reservations are written in one transaction on ``alias``."""
+    return limiter.backend(limit).database_alias() == alias
 
 
 def snapshot(limit: LimitConfig, *, inline: bool) -> dict[str, Any]:
@@ -116,7 +113,7 @@ def give_back(row: Reservation, amount: int, alias: str) -> None:
         return
     limit = limit_of(row)
     encoded = EncodedKey(row.key, row.label)
-    if shares_transaction(alias):
+    if shares_transaction(alias, limit):
         limiter._refund(limit, encoded, amount, row.label)
         return
     pk = row.pk

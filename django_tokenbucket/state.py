@@ -265,6 +265,6 @@ def store_now(alias: str) -> int:
     The database's clock unless ``CLOCK`` is ``"app"`` (or a test froze the clock), so
     that the admin, the command and cleanup see what the next decision would see.
     """
-    from .backends.database import DatabaseBackend
+    from .backends.database import database_now
 
-    return DatabaseBackend({"DATABASE": alias})._read_clock(alias)
+    return database_now(alias)

@@ -172,7 +172,7 @@ def test_beyond_max_reserved_nothing_is_scheduled(sent):
         clock.advance(2)
         denied = schedule(record_effect.s("x"), "slow", "k", config=SLOW)
         assert not denied.ok and denied.reservation is None and denied.eta is None
-        with pytest.raises(TypeError, match="a Scheduled has no truth value: test .ok"):
+        with pytest.raises(TypeError, match=r"a Scheduled has no truth value: test \.ok"):
             bool(denied)
         assert denied.retry_after == pytest.approx(8.0)
         with pytest.raises(RateLimited) as raised:

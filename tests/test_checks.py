@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from decimal import Decimal
@@ -19,6 +20,7 @@ from django.db import connections
 from django.test import override_settings
 
 from django_tokenbucket import LimitRequest, limiter
+from django_tokenbucket.backends.database import DatabaseBackend
 from django_tokenbucket.testing import frozen_clock
 
 REPO = Path(__file__).resolve().parents[1]
@@ -360,12 +362,47 @@ def test_sqlite_with_immediate_no_w001(monkeypatch, mode):
     assert our_messages() == []
 
 
-def test_redis_backend_skips_the_sqlite_check():
-    # check_database concerns the database backend only.
-    from django_tokenbucket.checks import check_database
+class SubclassedDatabaseBackend(DatabaseBackend):
+    """A project's own subclass: it keeps every check of the database backend."""
 
-    with override_settings(TOKENBUCKET=tokenbucket(BACKEND="some.other.Backend")):
-        assert check_database() == []
+
+def test_a_database_backend_subclass_is_checked_as_one():
+    path = f"{__name__}.SubclassedDatabaseBackend"
+    with override_settings(TOKENBUCKET=tokenbucket(BACKEND=path, OPTIONS={"FAST_PATHH": True, "TIMEOUT": -1})):
+        messages = our_messages()
+    assert ids(messages) == ["django_tokenbucket.E013", "django_tokenbucket.E015"]
+    assert "'FAST_PATHH'" in messages[0].msg and "SubclassedDatabaseBackend" in messages[0].msg
+
+
+def test_every_backend_alias_is_checked_and_named():
+    backends = {
+        "default": {"BACKEND": "django_tokenbucket.backends.database.DatabaseBackend"},
+        "fast": {"BACKEND": "django_tokenbucket.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "nope"}},
+        "billing": {"BACKEND": "django_tokenbucket.backends.database.DatabaseBackend", "OPTIONS": {"DATABASE": "x"}},
+        "broken": {"BACKEND": "no.such.Backend"},
+    }
+    with override_settings(TOKENBUCKET={"BACKENDS": backends, "LIMITS": {"a": {"rate": "1/s", "backend": "fats"}}}):
+        messages = {m.id: m.msg for m in our_messages()}
+    assert messages["django_tokenbucket.E020"].startswith("TOKENBUCKET['BACKENDS']['fast']['OPTIONS']['CACHE'] = 'nope'")
+    assert messages["django_tokenbucket.E009"].startswith("TOKENBUCKET['BACKENDS']['billing']['OPTIONS']['DATABASE']")
+    assert messages["django_tokenbucket.E005"].startswith("TOKENBUCKET['BACKENDS']['broken']['BACKEND'] = 'no.such.Backend'")
+    assert "Rate limit 'a' is stored on backend 'fats'" in messages["django_tokenbucket.E019"]
+
+
+@pytest.mark.parametrize(
+    ("setting", "problem"),
+    [
+        ({"BACKENDS": {"fast": {}}}, "with a 'default' alias"),
+        ({"BACKENDS": {"default": {}}, "BACKEND": "x"}, "both BACKENDS and BACKEND/OPTIONS"),
+        ({"BACKENDS": {"default": {"BACKNED": "x"}}}, "unknown key(s) 'BACKNED'"),
+    ],
+)
+def test_a_malformed_backends_setting_is_e018(setting, problem):
+    with override_settings(TOKENBUCKET={"LIMITS": BASE["LIMITS"], **setting}):
+        messages = [m for m in our_messages() if m.id == "django_tokenbucket.E018"]
+        assert len(messages) == 1 and problem in messages[0].msg
+        with pytest.raises(ImproperlyConfigured, match=re.escape(problem)):
+            limiter.limit("anything", config={"rate": "1/s"})
 
 
 # ---------------------------------------------------------------------------------------

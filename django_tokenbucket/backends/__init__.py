@@ -1,4 +1,9 @@
-"""Storage backends: where limit state lives and how it is locked."""
+"""Storage backends: where limit state lives and how it is locked.
+
+A project may use several at once, by alias (``TOKENBUCKET["BACKENDS"]``, as Django's
+``CACHES``); each limit is stored on one, its ``"backend"`` (``"default"`` unless it
+says otherwise).
+"""
 
 from __future__ import annotations
 
@@ -7,40 +12,87 @@ import threading
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
+from ..config import DEFAULT_BACKEND_ALIAS
 from .base import BaseBackend
 
-__all__ = ["BaseBackend", "get_backend", "reset_backend"]
+__all__ = [
+    "BaseBackend",
+    "backend_aliases",
+    "backend_class",
+    "get_backend",
+    "is_django_redis",
+    "redis_backend",
+    "reset_backend",
+]
 
-_backend: BaseBackend | None = None
+_backends: dict[str, BaseBackend] = {}
 _lock = threading.Lock()
 
 
-def get_backend() -> BaseBackend:
-    """Return the configured backend, created once and re-created when settings change."""
-    global _backend
-    backend = _backend
-    if backend is None:
-        from ..conf import tokenbucket_settings
+def backend_aliases() -> list[str]:
+    """Return the configured aliases, "default" first."""
+    from ..conf import tokenbucket_settings
 
-        with _lock:
-            if _backend is None:
-                path = tokenbucket_settings.BACKEND
-                try:
-                    backend_class = import_string(path)
-                except ImportError as exc:
-                    raise ImproperlyConfigured(
-                        f"TOKENBUCKET['BACKEND'] = {path!r} cannot be imported: {exc}"
-                    ) from exc
-                if not (isinstance(backend_class, type) and issubclass(backend_class, BaseBackend)):
-                    raise ImproperlyConfigured(
-                        f"TOKENBUCKET['BACKEND'] = {path!r} is not a BaseBackend subclass"
-                    )
-                _backend = backend_class(tokenbucket_settings.OPTIONS)
-            backend = _backend
-    return backend
+    return list(tokenbucket_settings.backends())
+
+
+def backend_class(path: object, where: str) -> type[BaseBackend]:
+    """Import a backend class from its dotted path; ImproperlyConfigured names ``where`` if it is not one."""
+    if not isinstance(path, str):
+        raise ImproperlyConfigured(f"{where} = {path!r} must be a dotted path (a str)")
+    try:
+        imported = import_string(path)
+    except ImportError as exc:
+        raise ImproperlyConfigured(f"{where} = {path!r} cannot be imported: {exc}") from exc
+    if not (isinstance(imported, type) and issubclass(imported, BaseBackend)):
+        raise ImproperlyConfigured(
+            f"{where} = {path!r} is not a subclass of django_tokenbucket.backends.base.BaseBackend"
+        )
+    return imported
+
+
+def get_backend(alias: str = DEFAULT_BACKEND_ALIAS) -> BaseBackend:
+    """Return the backend of ``alias``, created once and re-created when settings change."""
+    backend = _backends.get(alias)
+    if backend is not None:
+        return backend
+    from ..conf import tokenbucket_settings
+
+    with _lock:
+        if alias not in _backends:
+            configured = tokenbucket_settings.backends()
+            if alias not in configured:
+                raise ImproperlyConfigured(
+                    f"no rate-limit backend {alias!r}: TOKENBUCKET['BACKENDS'] has "
+                    f"{', '.join(map(repr, configured))}"
+                )
+            path, options, where = configured[alias]
+            _backends[alias] = backend_class(path, f"{where}['BACKEND']")(options)
+        return _backends[alias]
+
+
+def is_django_redis(cache_backend: object) -> bool:
+    """Whether a ``CACHES`` BACKEND path names django-redis' cache (or a subclass)."""
+    if not isinstance(cache_backend, str):
+        return False
+    try:
+        from django_redis.cache import RedisCache
+
+        cache_class = import_string(cache_backend)
+    except ImportError:
+        return False
+    return isinstance(cache_class, type) and issubclass(cache_class, RedisCache)
+
+
+def redis_backend(cache: str) -> BaseBackend:
+    """Return a Redis backend on the django-redis cache ``cache``, outside the configured aliases."""
+    # Imported here: it needs django-redis, which only a project with a Redis cache has.
+    from .redis import RedisBackend
+
+    return RedisBackend({"CACHE": cache}, setting=f"RATELIMIT_USE_CACHE ({cache!r})")
 
 
 def reset_backend() -> None:
-    global _backend
+    """Forget every backend, so the next use builds them from the current settings."""
     with _lock:
-        _backend = None
+        _backends.clear()

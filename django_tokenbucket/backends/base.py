@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..algorithms import Decision, State
 from ..config import LimitConfig
@@ -98,10 +98,57 @@ class BaseBackend(ABC):
     Subclasses fetch and lock the state of every row a call touches, read the store's
     clock, run ``decide_all`` and write back what it returns, as one atomic step.
     Failures of the store are raised as ``BackendError``.
+
+    What a backend can do beyond deciding is declared here, so that the rest of the
+    package asks instead of testing for a class: ``database_alias()`` (its buckets are
+    ``RateLimit`` rows there, its decisions join that database's transactions),
+    ``store_now()`` (its clock), ``refund()``.
     """
 
-    def __init__(self, options: Mapping[str, Any]) -> None:
+    #: The OPTIONS this backend takes; others are an error (``check_options``). None
+    #: leaves them unchecked, for a backend that does not say.
+    option_names: ClassVar[frozenset[str] | None] = None
+    #: The system-check id of an unknown option.
+    unknown_option_id: ClassVar[str] = "django_tokenbucket.E013"
+
+    def __init__(self, options: Mapping[str, Any], *, setting: str = "TOKENBUCKET") -> None:
         self.options = dict(options)
+        #: Where this backend is configured, for messages: ``TOKENBUCKET`` (its BACKEND
+        #: and OPTIONS) or ``TOKENBUCKET['BACKENDS']['<alias>']``.
+        self.setting = setting
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], setting: str) -> list[Any]:
+        """Return system-check messages about ``options`` (given at ``setting``).
+
+        Subclasses extend it with their own checks; this one reports unknown options.
+        """
+        from django.core import checks
+
+        if cls.option_names is None:
+            return []
+        unknown = sorted(map(repr, set(options) - cls.option_names))
+        if not unknown:
+            return []
+        return [
+            checks.Error(
+                f"{setting}['OPTIONS'] has unknown option(s) for {cls.__name__}: {', '.join(unknown)}.",
+                hint=f"{cls.__name__} takes {', '.join(map(repr, sorted(cls.option_names)))}.",
+                id=cls.unknown_option_id,
+            )
+        ]
+
+    def database_alias(self) -> str | None:
+        """Return the database whose ``RateLimit`` rows hold this backend's buckets, if any.
+
+        Such a backend's decisions join that database's transactions; the admin, the
+        command's listings and cleanup read its rows.
+        """
+        return None
+
+    def store_now(self) -> int:
+        """Return the store's clock, in microseconds since the epoch."""
+        raise NotImplementedError(f"{type(self).__name__} does not say what time its store has")
 
     @abstractmethod
     def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:

@@ -69,15 +69,20 @@ def _bound_connecting(connection: Any, timeout: float) -> None:
     options.setdefault("connect_timeout", max(2 if connection.vendor == "postgresql" else 1, math.ceil(timeout)))
 
 
-def timeout_option(value: Any) -> float | None:
+def timeout_option(value: Any, setting: str = "TOKENBUCKET") -> float | None:
     """Validate the ``TIMEOUT`` option: ``None`` or a positive, finite number of seconds."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(
-            f"TOKENBUCKET['OPTIONS']['TIMEOUT'] must be None or a positive number of seconds, not {value!r}."
+            f"{setting}['OPTIONS']['TIMEOUT'] must be None or a positive number of seconds, not {value!r}."
         )
     return float(value)
+
+
+def database_now(alias: str) -> int:
+    """Return the time (µs since the epoch) a decision on database ``alias`` would use."""
+    return DatabaseBackend({"DATABASE": alias})._read_clock(alias)
 
 
 def lost_answer(exc: BaseException) -> bool:
@@ -120,13 +125,16 @@ class DatabaseBackend(BaseBackend):
     gives up its connection and takes the fail mode.
     """
 
-    def __init__(self, options: Mapping[str, Any]) -> None:
-        super().__init__(options)
+    option_names = frozenset(OPTION_DEFAULTS)
+    unknown_option_id = "django_tokenbucket.E013"
+
+    def __init__(self, options: Mapping[str, Any], *, setting: str = "TOKENBUCKET") -> None:
+        super().__init__(options, setting=setting)
         self.database: str | None = self.options.get("DATABASE")
         self.fast_path = bool(self.options.get("FAST_PATH", OPTION_DEFAULTS["FAST_PATH"]))
         self.async_commit = bool(self.options.get("ASYNC_COMMIT", OPTION_DEFAULTS["ASYNC_COMMIT"]))
         try:
-            self.timeout = timeout_option(self.options.get("TIMEOUT"))
+            self.timeout = timeout_option(self.options.get("TIMEOUT"), setting)
         except ValueError as exc:
             raise ImproperlyConfigured(str(exc)) from None
         #: Aliases whose database lacks the fast path's function (migration 0004 not
@@ -139,6 +147,61 @@ class DatabaseBackend(BaseBackend):
 
     def alias(self) -> str:
         return self.database or router.db_for_write(RateLimit)
+
+    def database_alias(self) -> str:
+        return self.alias()
+
+    def store_now(self) -> int:
+        return self._read_clock(self.alias())
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], setting: str) -> list[Any]:
+        """Check the options, and warn on SQLite without IMMEDIATE transactions.
+
+        SQLite's default DEFERRED transactions take the write lock only at the first
+        write, so two decisions can read the same state and then fail with "database
+        is locked".
+        """
+        from django.conf import settings
+        from django.core import checks
+
+        messages = super().check_options(options, setting)
+        for flag in ("FAST_PATH", "ASYNC_COMMIT"):
+            if flag in options and not isinstance(options[flag], bool):
+                messages.append(
+                    checks.Error(
+                        f"{setting}['OPTIONS'][{flag!r}] must be True or False, not {options[flag]!r}.",
+                        id="django_tokenbucket.E014",
+                    )
+                )
+        try:
+            timeout_option(options.get("TIMEOUT"), setting)
+        except ValueError as exc:
+            messages.append(checks.Error(str(exc), id="django_tokenbucket.E015"))
+        alias = options.get("DATABASE") or router.db_for_write(RateLimit)
+        if alias not in settings.DATABASES:
+            messages.append(
+                checks.Error(
+                    f"{setting}['OPTIONS']['DATABASE'] = {alias!r} is not in DATABASES.",
+                    id="django_tokenbucket.E009",
+                )
+            )
+            return messages
+        connection = connections[alias]
+        if connection.vendor == "sqlite":
+            mode = str(connection.settings_dict.get("OPTIONS", {}).get("transaction_mode") or "").upper()
+            if mode != "IMMEDIATE":
+                messages.append(
+                    checks.Warning(
+                        f"Rate limits are stored in the SQLite database {alias!r} without "
+                        f"IMMEDIATE transactions: concurrent requests will fail with "
+                        f"'database is locked'.",
+                        hint=f"Set DATABASES[{alias!r}]['OPTIONS'] = {{'transaction_mode': "
+                        f"'IMMEDIATE', 'timeout': 5}} (Django 5.1+).",
+                        id="django_tokenbucket.W001",
+                    )
+                )
+        return messages
 
     def _now_sql(self, alias: str) -> str | None:
         if tokenbucket_settings.CLOCK == "app" or clock.override() is not None:

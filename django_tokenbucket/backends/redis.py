@@ -51,6 +51,7 @@ from ..algorithms import Decision, State
 from ..conf import tokenbucket_settings
 from ..config import FIXED_WINDOW, LimitConfig
 from ..keys import EncodedKey
+from . import is_django_redis
 from .base import BackendError, BaseBackend, Outcome, Request, RowId, row_id
 
 __all__ = ["SCRIPT", "ClusterConnectionFactory", "RedisBackend", "state_key"]
@@ -139,17 +140,20 @@ class RedisBackend(BaseBackend):
     ``"CONNECTION_FACTORY": "django_tokenbucket.backends.redis.ClusterConnectionFactory"``.
     """
 
-    def __init__(self, options: Mapping[str, Any]) -> None:
-        super().__init__(options)
+    option_names = frozenset(_OPTIONS)
+    unknown_option_id = "django_tokenbucket.E021"
+
+    def __init__(self, options: Mapping[str, Any], *, setting: str = "TOKENBUCKET") -> None:
+        super().__init__(options, setting=setting)
         unknown = set(self.options) - _OPTIONS
         if unknown:
             raise ImproperlyConfigured(
-                f"TOKENBUCKET['OPTIONS'] has unknown option(s) for the Redis backend: "
+                f"{setting}['OPTIONS'] has unknown option(s) for the Redis backend: "
                 f"{', '.join(sorted(map(repr, unknown)))}; expected 'CACHE'"
             )
         alias = self.options.get("CACHE", "default")
         if not isinstance(alias, str):
-            raise ImproperlyConfigured(f"TOKENBUCKET['OPTIONS']['CACHE'] must be a cache alias, not {alias!r}")
+            raise ImproperlyConfigured(f"{setting}['OPTIONS']['CACHE'] must be a cache alias, not {alias!r}")
         self.cache_alias: str = alias
         self._script: Script | None = None
         self._script_lock = threading.Lock()
@@ -163,6 +167,57 @@ class RedisBackend(BaseBackend):
 
     # -- public helpers (operations, tests) ---------------------------------------------
 
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], setting: str) -> list[Any]:
+        """Check the cache behind the backend: it exists, is django-redis, and never evicts.
+
+        Under an evicting ``maxmemory-policy`` Redis may delete a bucket's key when
+        memory runs out, and a missing key reads as a full bucket: a silent reset. The
+        policy is read with ``CONFIG GET``; when Redis is down or denies CONFIG (as
+        managed services may), the check says nothing rather than guess.
+        """
+        from django.core import checks
+
+        messages = super().check_options(options, setting)
+        alias = options.get("CACHE", "default")
+        hint = (
+            f"Point {setting}['OPTIONS']['CACHE'] at a cache whose BACKEND is 'django_redis.cache.RedisCache' "
+            "(pip install 'dj-tokenbucket[redis]')."
+        )
+        cache_settings: dict[str, Any] = getattr(settings, "CACHES", {})
+        if not isinstance(alias, str) or alias not in cache_settings:
+            messages.append(
+                checks.Error(
+                    f"{setting}['OPTIONS']['CACHE'] = {alias!r} is not an alias in CACHES.",
+                    hint=hint,
+                    id="django_tokenbucket.E020",
+                )
+            )
+            return messages
+        cache_backend = cache_settings[alias].get("BACKEND")
+        if not is_django_redis(cache_backend):
+            messages.append(
+                checks.Warning(
+                    f"The Redis rate-limit backend uses CACHES[{alias!r}], whose BACKEND {cache_backend!r} "
+                    f"is not a django-redis cache: every rate-limit call will fail.",
+                    hint=hint,
+                    id="django_tokenbucket.W020",
+                )
+            )
+            return messages
+        policy = _eviction_policy(alias)
+        if policy is not None and policy != "noeviction":
+            messages.append(
+                checks.Warning(
+                    f"The Redis behind CACHES[{alias!r}] has maxmemory-policy {policy!r}: when its memory is "
+                    f"full it may delete rate-limit keys, and a deleted bucket reads as full again.",
+                    hint="Set maxmemory-policy to 'noeviction' (a full Redis then fails calls, and "
+                    "FAIL_OPEN decides), or give the limits a Redis of their own.",
+                    id="django_tokenbucket.W021",
+                )
+            )
+        return messages
     def client(self) -> Any:
         """Return the raw redis-py client of the cache (``Redis`` or ``RedisCluster``)."""
         return self._connect().client
@@ -268,7 +323,7 @@ class RedisBackend(BaseBackend):
         except InvalidCacheBackendError:
             defined = ", ".join(map(repr, settings.CACHES)) or "none"
             raise ImproperlyConfigured(
-                f"TOKENBUCKET['OPTIONS']['CACHE'] = {self.cache_alias!r} is not an alias in CACHES "
+                f"{self.setting}['OPTIONS']['CACHE'] = {self.cache_alias!r} is not an alias in CACHES "
                 f"(defined: {defined}): name a django-redis cache"
             ) from None
         except NotImplementedError:
@@ -412,3 +467,23 @@ class ClusterConnectionFactory(ConnectionFactory):  # type: ignore[misc]
 
     def disconnect(self, connection: Any) -> None:
         connection.disconnect_connection_pools()
+
+
+def _eviction_policy(alias: str) -> str | None:
+    """Return Redis' maxmemory-policy, the first evicting one of a cluster's nodes, or None if unknown."""
+    try:
+        reply = get_redis_connection(alias).config_get("maxmemory-policy")
+    except Exception:  # down, CONFIG denied or renamed, not a Redis: nothing to report
+        return None
+    policies = []
+    pending: list[Any] = [reply]
+    while pending:  # a cluster client answers per node: {node: {name: value}}
+        item = pending.pop()
+        if isinstance(item, dict):
+            for name, value in item.items():
+                if isinstance(value, dict):
+                    pending.append(value)
+                elif (name.decode() if isinstance(name, bytes) else name) == "maxmemory-policy":
+                    policies.append(value.decode() if isinstance(value, bytes) else str(value))
+    evicting = sorted(p for p in policies if p != "noeviction")
+    return evicting[0] if evicting else (policies[0] if policies else None)

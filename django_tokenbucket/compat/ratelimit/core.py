@@ -27,7 +27,7 @@ from django.utils.module_loading import import_string
 
 from ...algorithms import MICRO
 from ...api import Limiter, limiter
-from ...backends import get_backend
+from ...backends import get_backend, redis_backend
 from ...backends.base import BaseBackend
 from ...conf import tokenbucket_settings
 from ...config import LimitConfig
@@ -219,10 +219,7 @@ def _redis_backend(alias: str) -> BaseBackend:
     default = get_backend()
     if getattr(default, "cache_alias", None) == alias:
         return default  # the same cache as TOKENBUCKET's own Redis backend
-    # Imported here: it needs django-redis, which only a project with a Redis cache has.
-    from ...backends.redis import RedisBackend
-
-    return RedisBackend({"CACHE": alias})
+    return redis_backend(alias)
 
 
 # -- the decision --------------------------------------------------------------------------

@@ -29,15 +29,15 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db.models import Count
 
 from ...algorithms import State
-from ...backends import get_backend
+from ...api import limiter
 from ...backends.base import BackendError, Request
-from ...backends.database import DatabaseBackend
 from ...cleanup import MAX_BATCH_SIZE, cleanup, database_alias
 from ...config import LimitConfig
 from ...http import key_from_text
 from ...keys import EncodedKey, encode_key
 from ...models import RateLimit
 from ...registry import KnownLimit, known_limits
+from ...shards import shard_configs, shard_key
 from ...state import FULL, LIMITED, PARTIAL, LiveState, count_by_state, live_state, one_token, store_now
 from ...text import describe_rate, format_duration, format_tokens
 
@@ -142,8 +142,8 @@ class Command(BaseCommand):
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _known(self, name: str, database: str | None) -> KnownLimit:
-        limits = known_limits()
+    def _known(self, name: str, database: str | None, *, as_rows: bool = True) -> KnownLimit:
+        limits = known_limits(as_rows=as_rows)
         if name in limits:
             return limits[name]
         known = ", ".join(sorted(limits)) or "none"
@@ -216,24 +216,39 @@ class Command(BaseCommand):
             self.stdout.write(f"  stored row:   {'yes' if stored else 'no (a fresh key)'}")
 
     def _live_from_backend(self, limit: LimitConfig, key: EncodedKey) -> LiveState:
-        backend = get_backend()
+        """Read a key's state now from the limit's backend: a sharded limit's is the sum of its shards'."""
+        backend = limiter.backend(limit)
+        buckets = _buckets(limit, key)
         try:
-            probe = backend.decide([Request(limit, key, 0, reserve=True)], apply=False)
-            decision = probe.decisions[0]
+            probe = backend.decide([Request(config, part, 0, reserve=True) for config, part in buckets], apply=False)
+            value = sum(decision.value for decision in probe.decisions)
             wait = 0
-            if decision.value < one_token(limit):
-                retry = backend.decide([Request(limit, key, one_token(limit))], apply=False).decisions[0].retry_after
-                wait = 0 if retry is None else retry
+            if value < one_token(limit):
+                # The next token of the limit is the first one any of its buckets gets back.
+                nexts = backend.decide(
+                    [Request(config, part, one_token(config)) for config, part in buckets], apply=False
+                ).decisions
+                waits = [d.retry_after for d in nexts if d.retry_after is not None]
+                wait = min(waits, default=0)
         except BackendError as exc:
             raise CommandError(f"the store failed: {exc}") from exc
         return LiveState(
-            value=decision.value,
+            value=value,
             capacity=limit.capacity,
-            full_after=decision.full_after,
+            full_after=max(decision.full_after for decision in probe.decisions),
             next_token_after=wait,
             now=probe.now,
             threshold=one_token(limit),
         )
+
+    @staticmethod
+    def _stored(limit: LimitConfig, key: EncodedKey, database: str | None) -> bool | None:
+        """Whether the key has a stored row (None when the backend keeps no rows to look at)."""
+        alias = database or limiter.backend(limit).database_alias()
+        if alias is None:
+            return None
+        digests = [part.digest for _, part in _buckets(limit, key)]
+        return RateLimit.objects.using(alias).filter(name=limit.name, key__in=digests).exists()
 
     # -- list ------------------------------------------------------------------------
 
@@ -264,7 +279,7 @@ class Command(BaseCommand):
     # -- show ------------------------------------------------------------------------
 
     def handle_show(self, *, name: str, database: str | None, **options: Any) -> None:
-        known = self._known(name, database)
+        known = self._known(name, database, as_rows=not _one_key(options))
         limit = known.config
         self.stdout.write(f"{name}: {describe_rate(limit)} [{known.source}]")
         if options["key"] is None and options.get("request_key") is None:
@@ -281,12 +296,7 @@ class Command(BaseCommand):
         key = self._key(options)
         encoded = encode_key(key)
         self.stdout.write(f"key {key!r} (digest {encoded.digest})")
-        stored = None
-        if isinstance(get_backend(), DatabaseBackend):
-            stored = (
-                RateLimit.objects.using(database_alias(database)).filter(name=name, key=encoded.digest).exists()
-            )
-        self._print_live(self._live_from_backend(limit, encoded), stored)
+        self._print_live(self._live_from_backend(limit, encoded), self._stored(limit, encoded, database))
 
     def _show_summary(self, limit: LimitConfig, database: str | None) -> None:
         alias = database_alias(database)
@@ -301,7 +311,7 @@ class Command(BaseCommand):
     # -- reset -----------------------------------------------------------------------
 
     def handle_reset(self, *, name: str, database: str | None, **options: Any) -> None:
-        known = self._known(name, database)
+        known = self._known(name, database, as_rows=not _one_key(options))
         limit = known.config
         if options["key"] is None and options.get("request_key") is None:
             self._require_no_key_form(options)
@@ -314,11 +324,7 @@ class Command(BaseCommand):
             return
         key = self._key(options)
         encoded = encode_key(key)
-        existed = None
-        if isinstance(get_backend(), DatabaseBackend):
-            existed = (
-                RateLimit.objects.using(database_alias(database)).filter(name=name, key=encoded.digest).exists()
-            )
+        existed = self._stored(limit, encoded, database)
         if not existed and self._live_from_backend(limit, encoded).value >= limit.capacity:
             # Saying "reset" here would tell an operator that a locked-out user is free.
             raise CommandError(
@@ -327,17 +333,19 @@ class Command(BaseCommand):
                 f"({_REQUEST_KEY_HINT}), or find the bucket in the admin and use --digest."
             )
         try:
-            get_backend().reset(limit, encoded)
+            for config, part in _buckets(limit, encoded):
+                limiter.backend(limit).reset(config, part)
         except BackendError as exc:
             raise CommandError(f"the store failed: {exc}") from exc
         self.stdout.write(f"Reset {name} key {key!r}: it starts full again.")
 
     def _reset_all(self, limit: LimitConfig, database: str | None, *, yes: bool, interactive: bool) -> None:
-        if not isinstance(get_backend(), DatabaseBackend):
+        alias = database or limiter.backend(limit).database_alias()
+        if alias is None:
             raise CommandError(
-                "resetting every key of a limit is supported with the database backend only; give a KEY"
+                f"resetting every key of a limit needs a backend that lists its keys, and {limit.name!r} "
+                f"is stored on {type(limiter.backend(limit)).__name__}; give a key (--key SPEC=VALUE)"
             )
-        alias = database_alias(database)
         rows = RateLimit.objects.using(alias).filter(name=limit.name)
         total = rows.count()
         if total == 0:
@@ -411,3 +419,17 @@ class Command(BaseCommand):
                     self.stderr.write(f"Limit {name!r} is not configured: {rows} row(s) kept.")
             if not removed:
                 self.stderr.write("Delete rows of limits that are not configured with --remove-unknown.")
+
+
+def _buckets(limit: LimitConfig, key: EncodedKey) -> list[tuple[LimitConfig, EncodedKey]]:
+    """Return the buckets that hold ``key`` of ``limit``: itself, or each of its shards."""
+    if limit.shards == 1:
+        return [(limit, key)]
+    return [(shard, shard_key(key, index, limit.shards)) for index, shard in enumerate(shard_configs(limit))]
+
+
+def _one_key(options: dict[str, Any]) -> bool:
+    """Whether the command names one key as callers give it (a sharded limit's whole config
+    applies), rather than the limit's rows or one row by digest (a shard's config applies)."""
+    given = options["key"] is not None or options.get("request_key") is not None
+    return given and not options["digest"]

@@ -1,0 +1,112 @@
+"""Several backends in one project: a Redis limit and a database limit side by side."""
+
+from __future__ import annotations
+
+import re
+from io import StringIO
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import transaction
+from django.test import override_settings
+from django_redis import get_redis_connection
+
+from django_tokenbucket import LimitRequest, limiter
+from django_tokenbucket.backends import get_backend
+from django_tokenbucket.models import RateLimit
+from django_tokenbucket.testing import frozen_clock
+
+from .redis_servers import delete_keys
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+
+T0 = 1_700_000_000.0
+DATABASE = "django_tokenbucket.backends.database.DatabaseBackend"
+REDIS = "django_tokenbucket.backends.redis.RedisBackend"
+TWO_STORES = {
+    "BACKENDS": {
+        "default": {"BACKEND": DATABASE},
+        "fast": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "redis"}},
+    },
+    "LIMITS": {
+        "orders": "3/m",  # billing-grade: rolls back with the order
+        "api": {"rate": "3/m", "backend": "fast"},
+        "api_hot": {"rate": "40/m", "backend": "fast", "shards": 4},
+        "orders_hot": {"rate": "40/m", "shards": 4},
+    },
+}
+
+
+@pytest.fixture(autouse=True)
+def two_stores():
+    delete_keys()
+    with override_settings(TOKENBUCKET=TWO_STORES), frozen_clock(T0):
+        yield
+    delete_keys()
+
+
+def redis_keys() -> int:
+    return len(list(get_redis_connection("redis").scan_iter(match="*tbtest*")))
+
+
+def test_each_limit_is_decided_on_its_own_backend():
+    assert [limiter.limit("orders", "alice").ok for _ in range(4)] == [True, True, True, False]
+    assert [limiter.limit("api", "alice").ok for _ in range(4)] == [True, True, True, False]
+    # The database holds the orders bucket only; Redis the api bucket only.
+    assert list(RateLimit.objects.values_list("name", flat=True)) == ["orders"]
+    assert redis_keys() == 1
+    assert type(get_backend("fast")).__name__ == "RedisBackend" and limiter.backend().database_alias() == "default"
+
+
+def test_a_rollback_takes_back_the_database_limit_only():
+    with pytest.raises(RuntimeError), transaction.atomic():
+        limiter.limit("orders", "bob", count=3)
+        limiter.limit("api", "bob", count=3)
+        raise RuntimeError("the order failed")
+    assert limiter.get_value("orders", "bob") == 3  # rolled back with the order
+    assert limiter.get_value("api", "bob") == 0  # Redis has no transaction to join
+
+
+def test_limits_on_two_backends_are_never_decided_together():
+    message = re.escape("rate limits decided together must be stored on one backend, and these are not")
+    with pytest.raises(ImproperlyConfigured, match=message) as raised:
+        limiter.limit_many([LimitRequest("orders", "carol"), LimitRequest("api", "carol")])
+    assert "'default': 'orders'; 'fast': 'api'" in str(raised.value)
+    # Refused before either store was asked: nothing spent.
+    assert limiter.get_value("orders", "carol") == 3 and limiter.get_value("api", "carol") == 3
+    assert limiter.limit_many([("api", "carol"), ("api_hot", "carol")]).ok
+
+
+def test_an_unknown_alias_is_an_error_naming_the_limit():
+    with pytest.raises(ImproperlyConfigured, match=r"no rate-limit backend 'fats'"):
+        limiter.limit("typo", "k", config={"rate": "1/s", "backend": "fats"})
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command("tokenbucket", *args, stdout=out)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("name", ["api", "orders", "api_hot", "orders_hot"])
+def test_the_command_shows_and_resets_a_key_on_its_backend(name):
+    capacity = 40 if name.endswith("hot") else 3
+    limiter.limit(name, "dave", count=2)
+    shown = run("show", name, "dave")
+    assert f"tokens now:   {capacity - 2}" in shown
+    # Sharded or not, the database says whether the key has rows; Redis keeps none to count.
+    assert ("stored row:   yes" in shown) == name.startswith("orders")
+    assert "Reset" in run("reset", name, "dave")
+    assert limiter.get_value(name, "dave") == capacity
+    with pytest.raises(CommandError, match="nothing matched"):
+        run("reset", name, "dave")
+
+
+def test_resetting_every_key_needs_a_backend_that_lists_them():
+    limiter.limit("api", "erin")
+    with pytest.raises(CommandError, match=r"'api' is stored on RedisBackend; give a key"):
+        run("reset", "api", "--yes")
+    limiter.limit("orders", "erin")
+    assert "Reset 1 key(s) of orders" in run("reset", "orders", "--yes")
