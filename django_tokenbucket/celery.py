@@ -50,7 +50,7 @@ from .config import LimitConfig
 from .exceptions import RateLimited
 from .keys import EncodedKey
 from .models import Reservation
-from .reservations import WAITING, cancel, refund
+from .reservations import CELERY_DEFAULTS, WAITING, cancel, refund
 from .status import Status, ambiguous_truth
 
 __all__ = [
@@ -73,24 +73,6 @@ _Status = Reservation.Status
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 #: ``TOKENBUCKET["CELERY"]``: times in seconds.
-CELERY_DEFAULTS: dict[str, Any] = {
-    # ETAs further away are kept in the database and published by the sweeper when
-    # they come this close: a message with an ETA waits unacknowledged in a worker's
-    # memory, and a Redis or SQS broker hands it to another worker once its
-    # visibility_timeout passes (so the cap is also half that timeout, when set).
-    "MAX_ETA": 600,
-    # A reservation sent to the broker that has still not run this long after its ETA
-    # (and after it was last sent) is sent again: its message was lost, or never
-    # published because the process died right after the commit.
-    "REDELIVER_AFTER": 30,
-    # A reservation that has still not run this long after its ETA is given up
-    # (status "expired"; its tokens stay spent).
-    "EXPIRE_AFTER": 86400,
-    # Finished reservations are deleted this long after they finished (None keeps them).
-    "KEEP_FINISHED": 7 * 86400,
-    # Rows handled per sweeper transaction.
-    "BATCH_SIZE": 500,
-}
 
 #: Options of a signature that the reservation decides itself, or that would run
 #: outside its bookkeeping (callbacks would also fire for duplicate deliveries).

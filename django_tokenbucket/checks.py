@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from django.conf import settings
@@ -118,7 +119,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                 id="django_tokenbucket.W003",
             )
         )
-    for setting in ("FOLD_KEY_CASE", "COUNT_OPTIONS"):
+    for setting in ("FOLD_KEY_CASE", "COUNT_OPTIONS", "HEADERS"):
         if not isinstance(user.get(setting, DEFAULTS[setting]), bool):
             errors.append(
                 checks.Error(
@@ -126,6 +127,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                     id="django_tokenbucket.E016",
                 )
             )
+    errors += _check_operations(user)
     secret = user.get("KEY_SECRET")
     if secret is not None and not (isinstance(secret, (str, bytes)) and len(secret) >= 16):
         errors.append(
@@ -151,6 +153,67 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                     id="django_tokenbucket.E008",
                 )
             )
+    return errors
+
+
+def _check_operations(user: dict[str, Any]) -> list[checks.CheckMessage]:
+    """Check RESPONSE, LOG_INTERVAL and CELERY, which are otherwise read only when needed.
+
+    A bad RESPONSE would fail at the first 429; a bad LOG_INTERVAL would quietly become
+    the default; a bad CELERY value would surface in a worker.
+    """
+    errors: list[checks.CheckMessage] = []
+    response = user.get("RESPONSE", DEFAULTS["RESPONSE"])
+    problem = None
+    if isinstance(response, str):
+        try:
+            response = import_string(response)
+        except ImportError as exc:
+            problem = f"cannot be imported: {exc}"
+    if problem is None and not callable(response):
+        problem = "is not callable"
+    if problem:
+        errors.append(
+            checks.Error(
+                f"TOKENBUCKET['RESPONSE'] = {user['RESPONSE']!r} {problem}.",
+                hint="Give a callable (request, status) -> HttpResponse, or its dotted path.",
+                id="django_tokenbucket.E023",
+            )
+        )
+    interval = user.get("LOG_INTERVAL", DEFAULTS["LOG_INTERVAL"])
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval < math.inf:
+        errors.append(
+            checks.Error(
+                f"TOKENBUCKET['LOG_INTERVAL'] must be a number of seconds >= 0 (0 logs every store failure), "
+                f"not {interval!r}.",
+                id="django_tokenbucket.E024",
+            )
+        )
+    errors += _check_celery(user.get("CELERY", {}))
+    return errors
+
+
+def _check_celery(given: object) -> list[checks.CheckMessage]:
+    from .reservations import CELERY_DEFAULTS
+
+    def error(message: str) -> checks.Error:
+        return checks.Error(f"TOKENBUCKET['CELERY']{message}.", id="django_tokenbucket.E025")
+
+    if not isinstance(given, dict):
+        return [error(f" must be a dict, not {type(given).__name__}")]
+    errors: list[checks.CheckMessage] = []
+    unknown = sorted(map(repr, set(given) - set(CELERY_DEFAULTS)))
+    if unknown:
+        errors.append(error(f" has unknown setting(s) {', '.join(unknown)}; it takes {', '.join(CELERY_DEFAULTS)}"))
+    for name, value in given.items():
+        if name not in CELERY_DEFAULTS or (name == "KEEP_FINISHED" and value is None):
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+        if not number or (name == "BATCH_SIZE" and not isinstance(value, int)):
+            kind = "a whole number > 0" if name == "BATCH_SIZE" else "a number of seconds > 0"
+            if name == "KEEP_FINISHED":
+                kind += " or None"
+            errors.append(error(f"[{name!r}] must be {kind}, not {value!r}"))
     return errors
 
 

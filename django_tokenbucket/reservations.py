@@ -31,6 +31,7 @@ from .models import Reservation
 from .rates import to_fraction
 
 __all__ = [
+    "CELERY_DEFAULTS",
     "STARTED",
     "WAITING",
     "after_commit",
@@ -49,6 +50,27 @@ _Status = Reservation.Status
 WAITING = (_Status.SCHEDULED, _Status.SENT)
 #: The work started: unused tokens may be refunded.
 STARTED = (_Status.RUNNING, _Status.DONE, _Status.FAILED)
+
+#: ``TOKENBUCKET["CELERY"]``'s settings and their defaults (read by django_tokenbucket.celery).
+CELERY_DEFAULTS: dict[str, Any] = {
+    # ETAs further away are kept in the database and published by the sweeper when
+    # they come this close: a message with an ETA waits unacknowledged in a worker's
+    # memory, and a Redis or SQS broker hands it to another worker once its
+    # visibility_timeout passes (so the cap is also half that timeout, when set).
+    "MAX_ETA": 600,
+    # A reservation sent to the broker that has still not run this long after its ETA
+    # (and after it was last sent) is sent again: its message was lost, or never
+    # published because the process died right after the commit.
+    "REDELIVER_AFTER": 30,
+    # A reservation that has still not run this long after its ETA is given up
+    # (status "expired"; its tokens stay spent).
+    "EXPIRE_AFTER": 86400,
+    # Finished reservations are deleted this long after they finished (None keeps them).
+    "KEEP_FINISHED": 7 * 86400,
+    # Rows handled per sweeper transaction.
+    "BATCH_SIZE": 500,
+}
+
 
 ReservationRef = Reservation | UUID | str
 

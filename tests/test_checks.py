@@ -160,6 +160,46 @@ def test_fail_open_not_a_bool_e006(value):
         assert repr(value) in errors[0].msg
 
 
+def too_many_requests(request, status):
+    """A RESPONSE callable, for the check that accepts one."""
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "check_id", "says"),
+    [
+        ("RESPONSE", "myapp.views.nope", "E023", "cannot be imported"),
+        ("RESPONSE", 429, "E023", "is not callable"),
+        ("HEADERS", "yes", "E016", "must be True or False"),
+        ("LOG_INTERVAL", "10", "E024", "must be a number of seconds >= 0"),
+        ("LOG_INTERVAL", -1, "E024", "must be a number of seconds >= 0"),
+        ("CELERY", [], "E025", "must be a dict, not list"),
+        ("CELERY", {"MAX_ETAA": 60}, "E025", "unknown setting(s) 'MAX_ETAA'"),
+        ("CELERY", {"BATCH_SIZE": 0.5}, "E025", "['BATCH_SIZE'] must be a whole number > 0"),
+        ("CELERY", {"KEEP_FINISHED": -1}, "E025", "['KEEP_FINISHED'] must be a number of seconds > 0 or None"),
+    ],
+)
+def test_every_setting_is_checked(setting, value, check_id, says):
+    with override_settings(TOKENBUCKET=tokenbucket(**{setting: value})):
+        messages = [m for m in our_messages() if m.id == f"django_tokenbucket.{check_id}"]
+    assert len(messages) == 1 and says in messages[0].msg and setting in messages[0].msg, messages
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("RESPONSE", f"{__name__}.too_many_requests"),
+        ("RESPONSE", too_many_requests),
+        ("HEADERS", True),
+        ("LOG_INTERVAL", 0),
+        ("LOG_INTERVAL", 2.5),
+        ("CELERY", {"MAX_ETA": 60, "KEEP_FINISHED": None, "BATCH_SIZE": 100}),
+    ],
+)
+def test_good_settings_pass_their_checks(setting, value):
+    with override_settings(TOKENBUCKET=tokenbucket(**{setting: value})):
+        assert our_messages() == []
+
+
 @pytest.mark.parametrize("value", [True, False])
 def test_fail_open_bool_is_fine(value):
     with override_settings(TOKENBUCKET=tokenbucket(FAIL_OPEN=value)):
