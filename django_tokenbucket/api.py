@@ -37,7 +37,7 @@ class LimitRequest:
     key: object = None
     count: int | float = 1
     reserve: bool = False
-    config: ConfigSpec | None = None
+    config: ConfigSpec | LimitConfig | None = None
 
 
 _inline_cache: dict[Any, LimitConfig] = {}
@@ -83,8 +83,14 @@ class Limiter:
             return self._own_backend
         return get_backend() if limit is None else get_backend(limit.backend)
 
-    def resolve(self, name: str, config: ConfigSpec | None = None) -> LimitConfig:
-        """Return the parsed config of ``name``; raise ImproperlyConfigured if unknown or invalid."""
+    def resolve(self, name: str, config: ConfigSpec | LimitConfig | None = None) -> LimitConfig:
+        """Return the parsed config of ``name``; raise ImproperlyConfigured if unknown or invalid.
+
+        ``config`` may be one this method returned before, for a caller (a DRF throttle)
+        that decides the same inline limit on every request.
+        """
+        if isinstance(config, LimitConfig):
+            return config
         if config is not None:
             return _parse_inline(name, config)
         limits = tokenbucket_settings.limits()

@@ -12,6 +12,7 @@ import re
 from datetime import timedelta
 from decimal import Decimal
 from fractions import Fraction
+from functools import lru_cache
 from typing import Union
 
 __all__ = ["UNIT_SECONDS", "Number", "parse_period", "parse_rate", "to_fraction"]
@@ -66,6 +67,12 @@ def parse_rate(rate: str) -> tuple[Fraction, Fraction]:
     """
     if not isinstance(rate, str):
         raise ValueError(f"rate string must be a str, not {rate!r}")
+    # A DRF throttle parses its rate each time it is made, twice per request.
+    return _parse_rate(str(rate))
+
+
+@lru_cache(maxsize=256)
+def _parse_rate(rate: str) -> tuple[Fraction, Fraction]:
     match = _RATE_RE.fullmatch(rate)
     if match is None:
         raise ValueError(

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -45,6 +46,7 @@ from . import clock
 from .algorithms import MICRO
 from .api import LimitRequest, limiter
 from .conf import tokenbucket_settings
+from .config import LimitConfig
 from .exceptions import BackendUnavailable, RateLimited
 from .http import add_ratelimit_headers
 from .ip import client_address, ip_key
@@ -92,6 +94,13 @@ class LimitRate(str):
         rate = super().__new__(cls, text)
         rate.limit_name = limit_name
         return rate
+
+
+@lru_cache(maxsize=256)
+def _rate_numbers(rate: str) -> tuple[int | float, int | float]:
+    # Each throttle parses its rate when it is made, and DRF makes them per request.
+    tokens, seconds = parse_rate(rate)
+    return (_number(int(tokens * MICRO), MICRO), _number(int(seconds * MICRO), MICRO))
 
 
 def _number(micro: int, unit: int) -> int | float:
@@ -163,10 +172,9 @@ class SimpleRateThrottle(BaseThrottle):
         if rate is None:
             return (None, None)
         try:
-            tokens, seconds = parse_rate(rate)
+            return _rate_numbers(rate)
         except ValueError as exc:
             raise ImproperlyConfigured(f"throttle {self._name()!r}: {exc}") from None
-        return (_number(int(tokens * MICRO), MICRO), _number(int(seconds * MICRO), MICRO))
 
     def get_cache_key(self, request: DRFRequest, view: Any) -> object:
         """Return the key of ``request``'s bucket, or None to leave it unthrottled."""
@@ -182,13 +190,26 @@ class SimpleRateThrottle(BaseThrottle):
         trusted = tokenbucket_settings.TRUSTED_PROXIES
         if trusted is None and api_settings.NUM_PROXIES:
             trusted = int(api_settings.NUM_PROXIES)
-        address = client_address(request, trusted_proxies=trusted)
-        return None if address is None else ip_key(address)
+        # Every throttle of a view asks, some twice: the answer is the request's.
+        memo: dict[object, str | None] = getattr(request, "_request", request).__dict__.setdefault(
+            "_tokenbucket_ident", {}
+        )
+        memo_key = tuple(trusted) if isinstance(trusted, list) else trusted
+        if memo_key not in memo:
+            address = client_address(request, trusted_proxies=trusted)
+            memo[memo_key] = None if address is None else ip_key(address)
+        return memo[memo_key]
 
     def allow_request(self, request: DRFRequest, view: Any) -> bool:
         if getattr(request, "method", None) == "OPTIONS" and not tokenbucket_settings.COUNT_OPTIONS:
             return True  # a CORS preflight is the browser's, not the user's, request
         try:
+            decided = _decided(request, self.signature(request, view))
+            if decided is not None:
+                # A sibling asked first and decided this throttle with itself.
+                self.key, self.statuses = decided
+                self.now = self.timer()
+                return all(status.ok for status in self.statuses) or _no_store(view)
             plan = self.limit_requests(request, view)
             if not plan:
                 return True
@@ -296,8 +317,8 @@ class SimpleRateThrottle(BaseThrottle):
         return float(remaining) / float(available)
 
 
-def _no_store(view: Any) -> None:
-    """Make the view's 429 or 503 uncacheable, with or without RateLimitMiddleware.
+def _no_store(view: Any) -> bool:
+    """Make the view's 429 or 503 uncacheable, with or without RateLimitMiddleware; return False.
 
     DRF builds that response in its exception handler, which adds no header of ours;
     an APIView copies its ``headers`` (set per request) onto every response it returns.
@@ -305,6 +326,7 @@ def _no_store(view: Any) -> None:
     headers = getattr(view, "headers", None)
     if isinstance(headers, dict):
         headers["Cache-Control"] = "no-store"
+    return False
 
 
 #: The name this library used before it had DRF's ``SimpleRateThrottle``.
@@ -314,7 +336,13 @@ TokenBucketThrottle = SimpleRateThrottle
 def _limit_request(name: str, rate: str, key: object, count: float) -> LimitRequest:
     if isinstance(rate, LimitRate):
         return LimitRequest(rate.limit_name, key, count)
-    return LimitRequest(name, key, count, config={"rate": rate})
+    return LimitRequest(name, key, count, config=_scope_limit(name, rate))
+
+
+@lru_cache(maxsize=256)
+def _scope_limit(name: str, rate: str) -> LimitConfig:
+    # Parsed once per scope and rate, not per request (a changed rate is another entry).
+    return limiter.resolve(name, {"rate": rate})
 
 
 def _decide_for_view(
@@ -326,9 +354,6 @@ def _decide_for_view(
     later one denies; deciding them together with ``limit_many`` makes it all-or-nothing.
     """
     own = throttle.signature(request, view)
-    decided = request.__dict__.get("_tokenbucket_throttles")
-    if decided and own in decided:
-        return decided[own]  # type: ignore[no-any-return]
     get_throttles = getattr(view, "get_throttles", None)
     siblings = [t for t in get_throttles() if isinstance(t, SimpleRateThrottle)] if get_throttles else []
     signatures = [(sibling, sibling.signature(request, view)) for sibling in siblings]
@@ -336,22 +361,30 @@ def _decide_for_view(
         # Asked outside the view's own throttles (or the view has none): this one alone.
         with _pinned_time(throttle):
             return list(limiter.limit_many(plan))
-    cache: dict[Signature, list[Status]] = request.__dict__.setdefault("_tokenbucket_throttles", {})
-    plans = [(own, plan)]
-    plans += [
-        (signature, sibling.limit_requests(request, view)) for sibling, signature in signatures if signature != own
-    ]
-    flat = [limit for _, limits in plans for limit in limits]
+    cache: dict[Signature, tuple[object, list[Status]]] = request.__dict__.setdefault("_tokenbucket_throttles", {})
+    plans = [(own, throttle.key, plan)]
+    for sibling, signature in signatures:
+        if signature != own:
+            limits = sibling.limit_requests(request, view)
+            plans.append((signature, sibling.key, limits))
+    flat = [limit for _, _, limits in plans for limit in limits]
     with _pinned_time(throttle):
         results = list(limiter.limit_many(flat)) if flat else []
     position = 0
-    for signature, limits in plans:
-        cache[signature] = results[position : position + len(limits)]
+    for signature, key, limits in plans:
+        cache[signature] = (key, results[position : position + len(limits)])
         position += len(limits)
     # For RateLimit headers added by RateLimitMiddleware.
     django_request = getattr(request, "_request", request)
     setattr(django_request, "_tokenbucket_throttle_statuses", results)  # noqa: B010
-    return cache[own]
+    return cache[own][1]
+
+
+def _decided(request: DRFRequest, signature: Signature) -> tuple[object, list[Status]] | None:
+    """Return the key and statuses another throttle of the view decided for ``signature``."""
+    # DRF's own tests ask with request={}: nothing was decided for that.
+    decided = getattr(request, "__dict__", {}).get("_tokenbucket_throttles")
+    return decided.get(signature) if decided else None
 
 
 def _pinned_time(throttle: SimpleRateThrottle) -> AbstractContextManager[None]:
