@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -38,6 +38,43 @@ class LimitRequest:
     count: int | float = 1
     reserve: bool = False
     config: ConfigSpec | LimitConfig | None = None
+
+
+@dataclass(frozen=True)
+class _Decide:
+    """A step of a plan: decide ``requests`` on the backend of ``limit``."""
+
+    limit: LimitConfig
+    requests: list[Request]
+    apply: bool
+    #: None: ``FAIL_OPEN`` says what a failed store means; False: it is an error.
+    fail_open: bool | None = None
+
+
+@dataclass(frozen=True)
+class _Reset:
+    """A step of a plan: forget ``bucket`` (the limit, or one of its shards) for ``key``."""
+
+    limit: LimitConfig
+    bucket: LimitConfig
+    key: EncodedKey
+
+
+@dataclass(frozen=True)
+class _Refund:
+    """A step of a plan: give ``amount`` micro-tokens back to ``bucket`` for ``key``."""
+
+    limit: LimitConfig
+    bucket: LimitConfig
+    key: EncodedKey
+    amount: int
+
+
+_Step = Union[_Decide, _Reset, _Refund]
+T = TypeVar("T")
+#: A plan: yields steps, receives each one's answer (an Outcome, or None when the store
+#: failed and the call goes through), returns the result.
+Steps = Generator[_Step, Any, T]
 
 
 _inline_cache: dict[Any, LimitConfig] = {}
@@ -103,6 +140,13 @@ class Limiter:
                 f"(defined: {known}) or pass config=..."
             ) from None
 
+    # -- deciding ------------------------------------------------------------------------
+    #
+    # Every method has an async twin (``alimit`` for ``limit``...) with the same result.
+    # Both run one plan, written once as a generator that yields what it needs from a
+    # backend (``_Decide``, ``_Reset``, ``_Refund``) and receives the answer: ``_drive``
+    # answers with the backend's blocking methods, ``_adrive`` with its asyncio ones.
+
     def limit(
         self,
         name: str,
@@ -119,7 +163,19 @@ class Limiter:
         ``status.retry_after`` says when they exist. With ``throws=True`` a denial
         raises RateLimited instead of returning ``ok=False``.
         """
-        return self._run_one(name, key, count, reserve, config, apply=True, throws=throws)
+        return self._drive(self._one(name, key, count, reserve, config, apply=True, throws=throws))
+
+    async def alimit(
+        self,
+        name: str,
+        key: object = None,
+        count: int | float = 1,
+        reserve: bool = False,
+        throws: bool = False,
+        config: ConfigSpec | None = None,
+    ) -> Status:
+        """``limit()`` for async code."""
+        return await self._adrive(self._one(name, key, count, reserve, config, apply=True, throws=throws))
 
     def check(
         self,
@@ -131,7 +187,19 @@ class Limiter:
         config: ConfigSpec | None = None,
     ) -> Status:
         """Return what ``limit()`` would return with the same arguments, changing nothing."""
-        return self._run_one(name, key, count, reserve, config, apply=False, throws=throws)
+        return self._drive(self._one(name, key, count, reserve, config, apply=False, throws=throws))
+
+    async def acheck(
+        self,
+        name: str,
+        key: object = None,
+        count: int | float = 1,
+        reserve: bool = False,
+        throws: bool = False,
+        config: ConfigSpec | None = None,
+    ) -> Status:
+        """``check()`` for async code."""
+        return await self._adrive(self._one(name, key, count, reserve, config, apply=False, throws=throws))
 
     def limit_many(
         self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
@@ -140,56 +208,49 @@ class Limiter:
 
         ``requests`` are LimitRequest objects or ``(name, key[, count])`` tuples.
         """
-        return self._run([self._as_request(r) for r in requests], apply=True, throws=throws)
+        return self._drive(self._many([self._as_request(r) for r in requests], apply=True, throws=throws))
+
+    async def alimit_many(
+        self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
+    ) -> MultiStatus:
+        """``limit_many()`` for async code."""
+        return await self._adrive(self._many([self._as_request(r) for r in requests], apply=True, throws=throws))
 
     def check_many(
         self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
     ) -> MultiStatus:
         """Return what ``limit_many()`` would, changing nothing."""
-        return self._run([self._as_request(r) for r in requests], apply=False, throws=throws)
+        return self._drive(self._many([self._as_request(r) for r in requests], apply=False, throws=throws))
+
+    async def acheck_many(
+        self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
+    ) -> MultiStatus:
+        """``check_many()`` for async code."""
+        return await self._adrive(self._many([self._as_request(r) for r in requests], apply=False, throws=throws))
 
     def get_value(self, name: str, key: object = None, config: ConfigSpec | None = None) -> float:
         """Return the tokens available now (negative while reserved ahead)."""
         return self.get_status(name, key, config=config).value  # type: ignore[return-value]
 
+    async def aget_value(self, name: str, key: object = None, config: ConfigSpec | None = None) -> float:
+        """``get_value()`` for async code."""
+        return (await self.aget_status(name, key, config=config)).value  # type: ignore[return-value]
+
     def get_status(self, name: str, key: object = None, config: ConfigSpec | None = None) -> Status:
         """Return the state of a limit now, as a Status of a zero-token call."""
-        limit = self.resolve(name, config)
-        encoded = self._encode(limit, key)
-        # Reading has nothing to allow, so a failed store is an error even with FAIL_OPEN.
-        if limit.shards > 1:
-            return self._shards_status(limit, encoded, key, 0)
-        outcome = self._backend_call(limit, [Request(limit, encoded, 0)], apply=False, fail_open=False)
-        assert outcome is not None
-        return self._status(limit, key, 0, outcome.decisions[0], outcome.now)
+        return self._drive(self._state_now(name, key, config))
 
-    def _shards_status(self, limit: LimitConfig, encoded: EncodedKey, key: object, count: int) -> Status:
-        """Return a sharded limit's state from all of its shards: its value is their sum."""
-        outcome = self._read_shards(limit, encoded)
-        decisions = outcome.decisions
-        total = Decision(True, sum(d.value for d in decisions), None, max(d.full_after for d in decisions), None)
-        return self._status(limit, key, count, total, outcome.now)
-
-    def _read_shards(self, limit: LimitConfig, encoded: EncodedKey) -> Outcome:
-        request = Request(limit, encoded, 0)
-        reads = [_shard_request(request, index, 0) for index in range(limit.shards)]
-        outcome = self._backend_call(limit, reads, apply=False, fail_open=False)
-        assert outcome is not None
-        return outcome
+    async def aget_status(self, name: str, key: object = None, config: ConfigSpec | None = None) -> Status:
+        """``get_status()`` for async code."""
+        return await self._adrive(self._state_now(name, key, config))
 
     def reset(self, name: str, key: object = None, config: ConfigSpec | None = None) -> None:
         """Forget the state of ``name`` for ``key``: it starts full again."""
-        limit = self.resolve(name, config)
-        encoded = self._encode(limit, key)
-        try:
-            backend = self.backend(limit)
-            if limit.shards == 1:
-                backend.reset(limit, encoded)
-            for index, shard in enumerate(shard_configs(limit) if limit.shards > 1 else ()):
-                backend.reset(shard, shard_key(encoded, index, limit.shards))
-        except BackendError as exc:
-            throttled_logger.warning(limit.name, "rate limit %r: reset failed: %s", limit.name, exc)
-            raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
+        self._drive(self._reset(name, key, config))
+
+    async def areset(self, name: str, key: object = None, config: ConfigSpec | None = None) -> None:
+        """``reset()`` for async code."""
+        await self._adrive(self._reset(name, key, config))
 
     def refund(
         self, name: str, key: object = None, count: int | float = 1, config: ConfigSpec | None = None
@@ -206,6 +267,23 @@ class Limiter:
         NotImplementedError; a failed store raises BackendUnavailable, whatever
         ``FAIL_OPEN`` says, since there is nothing to allow.
         """
+        limit, amount = self._refund_amount(name, count, config)
+        return self._drive(self._refunded(limit, self._encode(limit, key), amount, key))
+
+    async def arefund(
+        self, name: str, key: object = None, count: int | float = 1, config: ConfigSpec | None = None
+    ) -> Status:
+        """``refund()`` for async code."""
+        limit, amount = self._refund_amount(name, count, config)
+        return await self._adrive(self._refunded(limit, self._encode(limit, key), amount, key))
+
+    # -- internals -------------------------------------------------------------------
+
+    def _refund(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Status:
+        """Refund ``amount`` micro-tokens to an encoded key (reservations keep only the digest)."""
+        return self._drive(self._refunded(limit, encoded, amount, key))
+
+    def _refund_amount(self, name: str, count: int | float, config: ConfigSpec | None) -> tuple[LimitConfig, int]:
         limit = self.resolve(name, config)
         try:
             amount = to_micro(to_fraction(count, "count"), "count", count)
@@ -213,34 +291,59 @@ class Limiter:
                 raise ValueError(f"count must be positive, not {count!r}")
         except ValueError as exc:
             raise ValueError(f"rate limit {limit.name!r}: {exc}") from None
-        return self._refund(limit, self._encode(limit, key), amount, key)
+        return limit, amount
 
-    # -- internals -------------------------------------------------------------------
+    def _state_now(self, name: str, key: object, config: ConfigSpec | None) -> Steps[Status]:
+        limit = self.resolve(name, config)
+        encoded = self._encode(limit, key)
+        if limit.shards > 1:
+            return (yield from self._shards_status(limit, encoded, key, 0))
+        # Reading has nothing to allow, so a failed store is an error even with FAIL_OPEN.
+        outcome = yield _Decide(limit, [Request(limit, encoded, 0)], apply=False, fail_open=False)
+        assert outcome is not None
+        return self._status(limit, key, 0, outcome.decisions[0], outcome.now)
 
-    def _refund(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Status:
-        """Refund ``amount`` micro-tokens to an encoded key (reservations keep only the digest).
+    def _shards_status(self, limit: LimitConfig, encoded: EncodedKey, key: object, count: int) -> Steps[Status]:
+        """Return a sharded limit's state from all of its shards: its value is their sum."""
+        outcome = yield from self._read_shards(limit, encoded)
+        decisions = outcome.decisions
+        total = Decision(True, sum(d.value for d in decisions), None, max(d.full_after for d in decisions), None)
+        return self._status(limit, key, count, total, outcome.now)
 
-        A sharded limit gets them back in the shards with the most room first, each up to
-        its capacity, as a refund to one bucket is capped at its capacity.
+    def _read_shards(self, limit: LimitConfig, encoded: EncodedKey) -> Steps[Outcome]:
+        request = Request(limit, encoded, 0)
+        reads = [_shard_request(request, index, 0) for index in range(limit.shards)]
+        outcome = yield _Decide(limit, reads, apply=False, fail_open=False)
+        assert outcome is not None
+        return outcome  # type: ignore[no-any-return]
+
+    def _reset(self, name: str, key: object, config: ConfigSpec | None) -> Steps[None]:
+        limit = self.resolve(name, config)
+        encoded = self._encode(limit, key)
+        if limit.shards == 1:
+            yield _Reset(limit, limit, encoded)
+        for index, shard in enumerate(shard_configs(limit) if limit.shards > 1 else ()):
+            yield _Reset(limit, shard, shard_key(encoded, index, limit.shards))
+
+    def _refunded(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Steps[Status]:
+        """Refund ``amount`` micro-tokens; a sharded limit's go to its shards with the most room first.
+
+        Each shard gets at most its capacity back, as a refund to one bucket is capped.
         """
-        try:
-            if limit.shards == 1:
-                outcome = self.backend(limit).refund(limit, encoded, amount)
-                return self._status(limit, key, amount, outcome.decisions[0], outcome.now)
-            shards = shard_configs(limit)
-            read = self._read_shards(limit, encoded).decisions
-            left = amount
-            rooms = sorted(((shards[i].capacity - read[i].value, i) for i in range(limit.shards)), reverse=True)
-            for room, index in rooms:
-                if left <= 0 or room <= 0:
-                    break
-                given = min(room, left)
-                self.backend(limit).refund(shards[index], shard_key(encoded, index, limit.shards), given)
-                left -= given
-        except BackendError as exc:
-            throttled_logger.warning(limit.name, "rate limit %r: refund failed: %s", limit.name, exc)
-            raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
-        return self._shards_status(limit, encoded, key, amount)
+        if limit.shards == 1:
+            outcome = yield _Refund(limit, limit, encoded, amount)
+            return self._status(limit, key, amount, outcome.decisions[0], outcome.now)
+        shards = shard_configs(limit)
+        read = (yield from self._read_shards(limit, encoded)).decisions
+        left = amount
+        rooms = sorted(((shards[i].capacity - read[i].value, i) for i in range(limit.shards)), reverse=True)
+        for room, index in rooms:
+            if left <= 0 or room <= 0:
+                break
+            given = min(room, left)
+            yield _Refund(limit, shards[index], shard_key(encoded, index, limit.shards), given)
+            left -= given
+        return (yield from self._shards_status(limit, encoded, key, amount))
 
     @staticmethod
     def _as_request(item: LimitRequest | Sequence[Any]) -> LimitRequest:
@@ -257,7 +360,7 @@ class Limiter:
         except TypeError as exc:
             raise ValueError(f"rate limit {limit.name!r}: {exc}") from None
 
-    def _run_one(
+    def _one(
         self,
         name: str,
         key: object,
@@ -267,8 +370,8 @@ class Limiter:
         *,
         apply: bool,
         throws: bool,
-    ) -> Status:
-        """What ``_run`` does for one limit, without the lists and groups of several.
+    ) -> Steps[Status]:
+        """What ``_many`` does for one limit, without the lists and groups of several.
 
         One limit is one group (enforced or shadowed alike), applied as asked, and its
         MultiStatus would say what its only Status says.
@@ -277,11 +380,12 @@ class Limiter:
             raise ValueError(f"rate limit {name!r}: reserve must be a bool, not {reserve!r}")
         limit = self.resolve(name, config)
         if limit.shards > 1:
-            statuses = self._run([LimitRequest(name, key, count, reserve, config)], apply=apply, throws=throws)
+            item = LimitRequest(name, key, count, reserve, config)
+            statuses = yield from self._many([item], apply=apply, throws=throws)
             return statuses[0]
         micro = limit.validate_count(count, reserve)
         request = Request(limit, self._encode(limit, key), micro, reserve)
-        outcome = self._backend_call(limit, [request], apply=apply)
+        outcome = yield _Decide(limit, [request], apply=apply)
         if outcome is None:
             status = self._failed_open(limit, key, count)
         else:
@@ -292,7 +396,7 @@ class Limiter:
             raise RateLimited(status.name, status.key, status.retry_after, status)
         return status
 
-    def _run(self, items: list[LimitRequest], *, apply: bool, throws: bool) -> MultiStatus:
+    def _many(self, items: list[LimitRequest], *, apply: bool, throws: bool) -> Steps[MultiStatus]:
         if not items:
             raise ValueError("no rate limits given")
         limits = []
@@ -308,7 +412,7 @@ class Limiter:
             one_backend(limits)
 
         statuses: list[Status | None] = [None] * len(items)
-        planned = self._plan_shards(requests)
+        planned = yield from self._plan_shards(requests)
         if planned is None:  # the store failed reading the shards, and FAIL_OPEN allows
             statuses = [self._failed_open(limit, item.key, item.count) for limit, item in zip(limits, items)]
             planned = ([], [])
@@ -323,7 +427,7 @@ class Limiter:
                 continue
             group_apply = apply and (group is enforced or all(statuses[i].ok for i in enforced))  # type: ignore[union-attr]
             group_requests = [part for i in group for part in parts[i]]
-            outcome = self._backend_call(limits[group[0]], group_requests, apply=group_apply)
+            outcome = yield _Decide(limits[group[0]], group_requests, apply=group_apply)
             position = 0
             for i in group:
                 if outcome is None:
@@ -343,7 +447,7 @@ class Limiter:
             raise RateLimited(denied.name, denied.key, result.retry_after, denied)
         return result
 
-    def _plan_shards(self, requests: list[Request]) -> tuple[list[list[Request]], list[int]] | None:
+    def _plan_shards(self, requests: list[Request]) -> Steps[tuple[list[list[Request]], list[int]] | None]:
         """Return the requests to run for each one given, and what its other shard read.
 
         A request on an unsharded limit runs as it is. One on a sharded limit reads two
@@ -359,7 +463,7 @@ class Limiter:
             return parts, untouched
         picks = {i: pick_two(requests[i].config.shards) for i in sharded}
         probes = [_shard_request(requests[i], index, 0) for i in sharded for index in picks[i]]
-        outcome = self._backend_call(requests[sharded[0]].config, probes, apply=False)
+        outcome = yield _Decide(requests[sharded[0]].config, probes, apply=False)
         if outcome is None:
             return None
         for n, i in enumerate(sharded):
@@ -406,43 +510,87 @@ class Limiter:
                 shadow=status.would_deny,
             )
 
-    def _backend_call(
-        self, limit: LimitConfig, requests: list[Request], *, apply: bool, fail_open: bool | None = None
-    ) -> Outcome | None:
-        """Run the backend; on a store failure return None (fail open) or raise BackendUnavailable."""
+    def _drive(self, steps: Steps[T]) -> T:
+        """Run a plan, answering its steps with the backends' blocking methods."""
         try:
-            return self.backend(limit).decide(requests, apply=apply)
-        except BackendError as exc:
-            if fail_open is None:
-                fail_open = bool(tokenbucket_settings.FAIL_OPEN)
-            names = ", ".join(repr(r.config.name) for r in requests)
-            if signals.rate_limit_backend_error.has_listeners():
-                signals.rate_limit_backend_error.send(
-                    sender=Limiter,
-                    names=[r.config.name for r in requests],
-                    exception=exc,
-                    fail_open=fail_open,
-                    ambiguous=exc.ambiguous,
-                )
-            # At most one warning per limit per LOG_INTERVAL: a store outage fails every
-            # request at once, and the signal above is there for counting them all.
-            if fail_open:
-                throttled_logger.warning(
-                    names,
-                    "rate limit %s (key %s): the store failed, allowing (FAIL_OPEN): %s",
-                    names,
-                    requests[0].key.digest[:12],
-                    exc,
-                )
-                return None
+            step = next(steps)
+            while True:
+                backend = self.backend(step.limit)
+                try:
+                    if isinstance(step, _Decide):
+                        answer: Any = backend.decide(step.requests, apply=step.apply)
+                    elif isinstance(step, _Reset):
+                        backend.reset(step.bucket, step.key)
+                        answer = None
+                    else:
+                        answer = backend.refund(step.bucket, step.key, step.amount)
+                except BackendError as exc:
+                    self._store_failed(step, exc)
+                    answer = None
+                step = steps.send(answer)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+    async def _adrive(self, steps: Steps[T]) -> T:
+        """Run a plan, answering its steps with the backends' asyncio methods."""
+        try:
+            step = next(steps)
+            while True:
+                backend = self.backend(step.limit)
+                try:
+                    if isinstance(step, _Decide):
+                        answer: Any = await backend.adecide(step.requests, apply=step.apply)
+                    elif isinstance(step, _Reset):
+                        await backend.areset(step.bucket, step.key)
+                        answer = None
+                    else:
+                        answer = await backend.arefund(step.bucket, step.key, step.amount)
+                except BackendError as exc:
+                    self._store_failed(step, exc)
+                    answer = None
+                step = steps.send(answer)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+    def _store_failed(self, step: _Step, exc: BackendError) -> None:
+        """Apply the fail mode to a failed step: return to let it through, or raise BackendUnavailable."""
+        limit = step.limit
+        if not isinstance(step, _Decide):
+            what = "reset" if isinstance(step, _Reset) else "refund"
+            throttled_logger.warning(limit.name, "rate limit %r: %s failed: %s", limit.name, what, exc)
+            raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
+        requests = step.requests
+        fail_open = step.fail_open
+        if fail_open is None:
+            fail_open = bool(tokenbucket_settings.FAIL_OPEN)
+        names = ", ".join(repr(r.config.name) for r in requests)
+        if signals.rate_limit_backend_error.has_listeners():
+            signals.rate_limit_backend_error.send(
+                sender=Limiter,
+                names=[r.config.name for r in requests],
+                exception=exc,
+                fail_open=fail_open,
+                ambiguous=exc.ambiguous,
+            )
+        # At most one warning per limit per LOG_INTERVAL: a store outage fails every
+        # request at once, and the signal above is there for counting them all.
+        if fail_open:
             throttled_logger.warning(
                 names,
-                "rate limit %s (key %s): the store failed, refusing (fail closed): %s",
+                "rate limit %s (key %s): the store failed, allowing (FAIL_OPEN): %s",
                 names,
                 requests[0].key.digest[:12],
                 exc,
             )
-            raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
+            return
+        throttled_logger.warning(
+            names,
+            "rate limit %s (key %s): the store failed, refusing (fail closed): %s",
+            names,
+            requests[0].key.digest[:12],
+            exc,
+        )
+        raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
 
     @staticmethod
     def _status(limit: LimitConfig, key: object, count: int, decision: Decision, now: int) -> Status:

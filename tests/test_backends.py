@@ -6,10 +6,11 @@ import re
 from io import StringIO
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import transaction
+from django.db import connections, transaction
 from django.test import override_settings
 from django_redis import get_redis_connection
 
@@ -110,3 +111,24 @@ def test_resetting_every_key_needs_a_backend_that_lists_them():
         run("reset", "api", "--yes")
     limiter.limit("orders", "erin")
     assert "Reset 1 key(s) of orders" in run("reset", "orders", "--yes")
+
+
+@pytest.fixture
+async def close_async_connections():
+    yield
+    # The database work of an async test ran in asgiref's thread: its connection, left
+    # open there, would keep the test database from being dropped.
+    await sync_to_async(connections.close_all)()
+
+
+async def test_the_async_api_in_an_event_loop_on_both_stores(close_async_connections):
+    # Sequential awaits in one loop; the database's in Django's thread, Redis' as well
+    # until its backend has an asyncio client.
+    for name in ("orders", "api"):
+        statuses = [await limiter.alimit(name, "frank") for _ in range(4)]
+        assert [status.ok for status in statuses] == [True, True, True, False]
+        assert await limiter.aget_value(name, "frank") < 1
+        await limiter.areset(name, "frank")
+        assert (await limiter.acheck(name, "frank", count=3)).ok
+    with pytest.raises(ImproperlyConfigured, match="must be stored on one backend"):
+        await limiter.alimit_many([("orders", "frank"), ("api", "frank")])

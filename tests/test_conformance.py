@@ -8,10 +8,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from django_tokenbucket import LimitRequest, RateLimited, limiter
+from django_tokenbucket import LimitRequest, RateLimited
+from django_tokenbucket import limiter as sync_limiter
 from django_tokenbucket.testing import frozen_clock
 
 from .settings import DB as _TEST_DB
@@ -27,6 +29,27 @@ if _TEST_DB == "postgres":
     BACKENDS["database-portable"] = {"BACKEND": DATABASE_BACKEND, "OPTIONS": {"FAST_PATH": False}}
 
 T0 = 1_700_000_000.0
+
+
+class AsyncAPI:
+    """The limiter's async twins (``alimit`` for ``limit``...), called as the sync methods are.
+
+    Every case of this module runs through both, on every backend: the async API must
+    give the same results.
+    """
+
+    def __getattr__(self, name: str):
+        twin = getattr(sync_limiter, f"a{name}", None)
+        return async_to_sync(twin) if twin is not None else getattr(sync_limiter, name)
+
+
+limiter = sync_limiter
+
+
+@pytest.fixture(params=["sync", "async"], autouse=True)
+def api(request, monkeypatch):
+    monkeypatch.setitem(globals(), "limiter", sync_limiter if request.param == "sync" else AsyncAPI())
+    return request.param
 
 
 @pytest.fixture(params=sorted(BACKENDS))

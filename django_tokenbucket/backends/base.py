@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from asgiref.sync import sync_to_async
+
 from ..algorithms import Decision, State
 from ..config import LimitConfig
 from ..keys import EncodedKey
@@ -157,6 +159,22 @@ class BaseBackend(ABC):
     @abstractmethod
     def reset(self, config: LimitConfig, key: EncodedKey) -> None:
         """Forget the state of one key, so that it reads as fresh (full)."""
+
+    # The asyncio twins. These run the blocking method in a worker thread (Django's
+    # thread-sensitive executor, where a database connection belongs); a backend with
+    # an asyncio client overrides them.
+
+    async def adecide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
+        """``decide()`` for async code."""
+        return await sync_to_async(self.decide)(requests, apply=apply)
+
+    async def areset(self, config: LimitConfig, key: EncodedKey) -> None:
+        """``reset()`` for async code."""
+        await sync_to_async(self.reset)(config, key)
+
+    async def arefund(self, config: LimitConfig, key: EncodedKey, amount: int) -> Outcome:
+        """``refund()`` for async code."""
+        return await sync_to_async(self.refund)(config, key, amount)
 
     def refund(self, config: LimitConfig, key: EncodedKey, amount: int) -> Outcome:
         """Give ``amount`` micro-tokens back to one key, capped at the capacity.
