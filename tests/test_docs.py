@@ -195,7 +195,7 @@ class Project:
         with (self.path / "mysite" / "settings.py").open("a") as file:
             file.write(f"\n# {where}\n{local_redis(text)}")
 
-    def add_module(self, relative: str, text: str, where: str) -> None:
+    def write_module(self, relative: str, text: str) -> None:
         target = self.path / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         for package in target.relative_to(self.path).parents:
@@ -203,6 +203,12 @@ class Project:
                 (self.path / package / "__init__.py").touch()
         with target.open("a") as file:
             file.write(text)
+
+    def add_module(self, relative: str, text: str, where: str) -> None:
+        self.write_module(relative, text)
+        self.import_module(relative, where)
+
+    def import_module(self, relative: str, where: str) -> None:
         module = ".".join(Path(relative).with_suffix("").parts)
         self.steps.append({"kind": "import", "module": module, "where": where})
 
@@ -279,6 +285,12 @@ def page_project(page: Path, fresh: Path, path: Path, extra: str | None = None) 
         project.add_settings(base.source, base.where)
     for block, text in steps:
         project.add_settings(text, block.where)
+    # The page's modules exist in every configuration of it (a RESPONSE names one).
+    for block in read_blocks(page):
+        if block.lang == "python" and block.annotation is None:
+            for file_path, text in split_files(block.source):
+                if file_path is not None and kind_of(file_path, text) == "module":
+                    project.write_module(file_path, text)
     if extra is not None:
         project.add_settings(extra, "the configuration under test")
     return project
@@ -310,7 +322,7 @@ def test_page_runs_as_shown(page: Path, fresh_project: Path, tmp_path: Path) -> 
             kind = kind_of(file_path, text)
             if kind == "module":
                 assert file_path is not None
-                project.add_module(file_path, text, block.where)
+                project.import_module(file_path, block.where)
             elif kind == "code":
                 project.add_code(text, block.where)
     if any(uses_redis(block.source) for block in blocks if block.annotation is None):
