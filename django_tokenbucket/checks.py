@@ -8,12 +8,23 @@ from typing import Any
 from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
+from django.urls import get_resolver
 from django.utils.module_loading import import_string
 
+from .backends import backend_class, is_django_redis
 from .conf import DEFAULT_BACKEND, DEFAULTS, parse_backends
 from .config import DEFAULT_BACKEND_ALIAS, parse_limit
+from .decorators import declared_limits, declared_stacks
 from .ip import ip_settings_problems
 from .rates import parse_rate
+from .reservations import CELERY_DEFAULTS
+
+try:
+    from rest_framework.settings import api_settings as drf_settings
+
+    from . import throttling
+except ImportError:  # DRF is not installed: there are no throttles to check
+    throttling = None  # type: ignore[assignment]
 
 __all__ = ["check_backends", "check_settings"]
 
@@ -194,8 +205,6 @@ def _check_operations(user: dict[str, Any]) -> list[checks.CheckMessage]:
 
 
 def _check_celery(given: object) -> list[checks.CheckMessage]:
-    from .reservations import CELERY_DEFAULTS
-
     def error(message: str) -> checks.Error:
         return checks.Error(f"TOKENBUCKET['CELERY']{message}.", id="django_tokenbucket.E025")
 
@@ -220,8 +229,6 @@ def _check_celery(given: object) -> list[checks.CheckMessage]:
 @checks.register(checks.Tags.caches)  # tagged so that ``check --tag caches`` includes the Redis ones
 def check_backends(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Check every backend alias (each backend checks its own OPTIONS) and the limits' aliases."""
-    from .backends import backend_class
-
     user = getattr(settings, "TOKENBUCKET", {})
     if not isinstance(user, dict):
         return []  # reported by check_settings (E001)
@@ -273,10 +280,6 @@ def check_declared_limits(app_configs: Any = None, **kwargs: Any) -> list[checks
 
     The URLconf is loaded first so that every decorated view has been imported.
     """
-    from django.urls import get_resolver
-
-    from .decorators import declared_limits, declared_stacks
-
     try:
         get_resolver().url_patterns  # noqa: B018  (importing the views registers their limits)
     except Exception:  # a broken URLconf is reported by Django's own URL checks
@@ -328,14 +331,11 @@ def check_throttle_rates(app_configs: Any = None, **kwargs: Any) -> list[checks.
     throttles in ``DEFAULT_THROTTLE_CLASSES`` or by a view's ``throttle_scope`` has a
     rate (E032). Runs whether ``rest_framework`` is in ``INSTALLED_APPS`` or not.
     """
-    try:
-        from rest_framework.settings import api_settings
-
-        from .throttling import ScopedRateThrottle, SimpleRateThrottle, declared_throttle_rates
-    except ImportError:  # DRF is not installed: there are no throttles
+    if throttling is None:  # DRF is not installed: there are no throttles
         return []
-    from django.urls import get_resolver
-
+    api_settings = drf_settings
+    ScopedRateThrottle, SimpleRateThrottle = throttling.ScopedRateThrottle, throttling.SimpleRateThrottle
+    declared_throttle_rates = throttling.declared_throttle_rates
     try:
         patterns = get_resolver().url_patterns  # importing the views imports their throttles
     except Exception:  # a broken URLconf is reported by Django's own URL checks
@@ -420,8 +420,6 @@ def _api_views(patterns: Any) -> list[Any]:
 @checks.register(checks.Tags.caches)
 def check_ratelimit_compat(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Check the ``RATELIMIT_*`` settings read by ``django_tokenbucket.compat.ratelimit``."""
-    from .backends import is_django_redis
-
     messages: list[checks.CheckMessage] = []
     alias = getattr(settings, "RATELIMIT_USE_CACHE", None)
     caches = getattr(settings, "CACHES", {})

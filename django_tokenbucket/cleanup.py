@@ -34,9 +34,11 @@ from django.db import DatabaseError, connections, router, transaction
 from django.db.models import Count, Q
 
 from .algorithms import MICRO, State
+from .backends import get_backend
 from .backends.database import RETRYABLE_ERRORS, error_code
 from .config import LimitConfig
 from .models import RateLimit
+from .registry import known_limits
 from .state import cleanup_span, is_idle, store_now
 
 __all__ = ["MAX_BATCH_SIZE", "UNKNOWN_IDLE", "CleanupReport", "cleanup", "database_alias", "unknown_names"]
@@ -98,8 +100,6 @@ def database_alias(database: str | None = None) -> str:
     """Return the database the rows live in: ``database``, the backend's, or the router's."""
     if database:
         return database
-    from .backends import get_backend
-
     return get_backend().database_alias() or router.db_for_write(RateLimit)
 
 
@@ -143,8 +143,6 @@ def cleanup(
     if not 1 <= batch_size <= MAX_BATCH_SIZE:
         raise ValueError(f"batch_size must be between 1 and {MAX_BATCH_SIZE}, not {batch_size!r}")
     if limits is None:
-        from .registry import known_limits
-
         limits = {name: known.config for name, known in known_limits().items()}
     if unknown_idle is None:
         unknown_idle = UNKNOWN_IDLE

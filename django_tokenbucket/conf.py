@@ -151,7 +151,5 @@ tokenbucket_settings = TokenBucketSettings()
 @receiver(setting_changed)
 def _reload_settings(*, setting: str, **kwargs: Any) -> None:
     if setting == "TOKENBUCKET":
+        # The backends, built from these settings, are forgotten by django_tokenbucket.backends.
         tokenbucket_settings.reload()
-        from .backends import reset_backend
-
-        reset_backend()

@@ -10,16 +10,31 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.urls import get_resolver
+
+try:
+    from rest_framework.settings import api_settings as drf_settings
+except ImportError:  # DRF is not installed: no throttles
+    drf_settings = None  # type: ignore[assignment]
 
 from .conf import tokenbucket_settings
 from .config import LimitConfig, parse_limit
 from .shards import row_config
 
-__all__ = ["INLINE", "SETTINGS", "THROTTLE_RATES", "KnownLimit", "known_limits", "record_inline"]
+__all__ = [
+    "INLINE",
+    "SETTINGS",
+    "THROTTLE_RATES",
+    "KnownLimit",
+    "add_throttle_rates_source",
+    "known_limits",
+    "record_inline",
+]
 
 logger = logging.getLogger("django_tokenbucket")
 
@@ -33,6 +48,17 @@ THROTTLE_RATES = "DRF throttle rates"
 _inline: dict[str, LimitConfig] = {}
 _INLINE_MAX = 4096
 _lock = threading.Lock()
+
+#: Where the rates that throttle classes declare themselves come from (scope ->
+#: (where, rate)): django_tokenbucket.throttling adds its own when it is imported,
+#: which is when there can be such classes at all.
+_throttle_rates_sources: list[Callable[[], Mapping[str, tuple[str, str | None]]]] = []
+
+
+def add_throttle_rates_source(source: Callable[[], Mapping[str, tuple[str, str | None]]]) -> None:
+    """Register a function that returns the rates throttle classes declare, by scope."""
+    if source not in _throttle_rates_sources:
+        _throttle_rates_sources.append(source)
 
 
 @dataclass(frozen=True)
@@ -66,8 +92,6 @@ def _load_views() -> None:
     # imported: importing the URLconf imports the views (as the system checks do).
     if not getattr(settings, "ROOT_URLCONF", None):
         return
-    from django.urls import get_resolver
-
     try:
         get_resolver().url_patterns  # noqa: B018
     except Exception as exc:  # a broken URLconf must not stop cleanup or the admin
@@ -81,15 +105,12 @@ def _throttle_rates() -> dict[str, LimitConfig]:
     our throttles work without it, and a scope missing here would read as unknown
     (and its live rows as removable) in the admin, the command and cleanup.
     """
-    try:
-        from rest_framework.settings import api_settings
-
-        from .throttling import declared_throttle_rates
-    except ImportError:  # DRF is not installed: no throttles
+    if drf_settings is None:
         return {}
-
-    rates: dict[str, object] = {scope: rate for scope, (_, rate) in declared_throttle_rates().items()}
-    rates.update(api_settings.DEFAULT_THROTTLE_RATES or {})
+    rates: dict[str, object] = {}
+    for source in _throttle_rates_sources:
+        rates.update((scope, rate) for scope, (_, rate) in source().items())
+    rates.update(drf_settings.DEFAULT_THROTTLE_RATES or {})
     limits = {}
     for scope, rate in rates.items():
         if rate is None:  # DRF's way to switch a scope off

@@ -40,9 +40,8 @@ from rest_framework.request import Request as DRFRequest
 from rest_framework.response import Response
 from rest_framework.settings import api_settings
 from rest_framework.throttling import BaseThrottle
-from rest_framework.views import exception_handler as drf_exception_handler
 
-from . import clock
+from . import clock, registry
 from .algorithms import MICRO
 from .api import LimitRequest, limiter
 from .conf import tokenbucket_settings
@@ -511,6 +510,10 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 
         REST_FRAMEWORK = {"EXCEPTION_HANDLER": "django_tokenbucket.throttling.exception_handler"}
     """
+    # Not at the top: importing rest_framework.views reads DEFAULT_THROTTLE_CLASSES,
+    # which names this module's classes, so this module must be complete first.
+    from rest_framework.views import exception_handler as drf_exception_handler
+
     if isinstance(exc, RateLimited):
         response = drf_exception_handler(Throttled(wait=exc.retry_after), context)
         if response is not None:
@@ -522,3 +525,6 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if isinstance(exc, BackendUnavailable):
         return drf_exception_handler(ServiceUnavailable(), context)
     return drf_exception_handler(exc, context)
+
+
+registry.add_throttle_rates_source(declared_throttle_rates)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from django.contrib.auth import get_user_model
 from django.test import override_settings
@@ -291,3 +295,12 @@ def test_scopes_are_known_without_rest_framework_in_installed_apps():
     with override_settings(INSTALLED_APPS=apps):
         known = known_limits(load_views=False)
     assert known["anon"].source == "DRF throttle rates" and known["tenant_key"].config.rate == 2 * 10**6
+
+
+def test_the_throttles_import_first_in_a_fresh_process():
+    # DEFAULT_THROTTLE_CLASSES names our classes, and importing rest_framework.views
+    # reads it: a project whose first import is ours must not see a half-made module.
+    code = "import django; django.setup(); import django_tokenbucket.throttling as t; print(t.AnonRateThrottle.scope)"
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "anon", done.stderr[-2000:]

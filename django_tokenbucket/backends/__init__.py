@@ -8,12 +8,21 @@ says otherwise).
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 from django.utils.module_loading import import_string
 
+from ..conf import tokenbucket_settings
 from ..config import DEFAULT_BACKEND_ALIAS
 from .base import BaseBackend
+
+try:
+    from django_redis.cache import RedisCache
+except ImportError:  # the Redis backend is not installed; no cache is a django-redis one
+    RedisCache = None
 
 __all__ = [
     "BaseBackend",
@@ -31,8 +40,6 @@ _lock = threading.Lock()
 
 def backend_aliases() -> list[str]:
     """Return the configured aliases, "default" first."""
-    from ..conf import tokenbucket_settings
-
     return list(tokenbucket_settings.backends())
 
 
@@ -56,8 +63,6 @@ def get_backend(alias: str = DEFAULT_BACKEND_ALIAS) -> BaseBackend:
     backend = _backends.get(alias)
     if backend is not None:
         return backend
-    from ..conf import tokenbucket_settings
-
     with _lock:
         if alias not in _backends:
             configured = tokenbucket_settings.backends()
@@ -73,11 +78,9 @@ def get_backend(alias: str = DEFAULT_BACKEND_ALIAS) -> BaseBackend:
 
 def is_django_redis(cache_backend: object) -> bool:
     """Whether a ``CACHES`` BACKEND path names django-redis' cache (or a subclass)."""
-    if not isinstance(cache_backend, str):
+    if RedisCache is None or not isinstance(cache_backend, str):
         return False
     try:
-        from django_redis.cache import RedisCache
-
         cache_class = import_string(cache_backend)
     except ImportError:
         return False
@@ -96,3 +99,9 @@ def reset_backend() -> None:
     """Forget every backend, so the next use builds them from the current settings."""
     with _lock:
         _backends.clear()
+
+
+@receiver(setting_changed)
+def _settings_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting == "TOKENBUCKET":
+        reset_backend()

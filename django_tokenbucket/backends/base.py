@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from asgiref.sync import sync_to_async
+from django.core import checks
 
 from ..algorithms import Decision, State
 from ..config import LimitConfig
@@ -125,8 +126,6 @@ class BaseBackend(ABC):
 
         Subclasses extend it with their own checks; this one reports unknown options.
         """
-        from django.core import checks
-
         if cls.option_names is None:
             return []
         unknown = sorted(map(repr, set(options) - cls.option_names))
