@@ -1,3 +1,5 @@
+from importlib.util import find_spec
+
 from django.apps import AppConfig
 from django.utils.translation import gettext_lazy as _
 
@@ -8,12 +10,10 @@ class TokenBucketConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        # Django's way: these import models, which exist only from here on.
         from . import checks  # noqa: F401  (registers the system checks)
 
-        try:
-            import celery  # noqa: F401
-        except ImportError:
-            return
-        # Registers the django_tokenbucket.* tasks with the project's Celery app, so that
-        # workers know them without autodiscovery (which looks for tasks.py only).
-        from . import celery as _tasks  # noqa: F401
+        if find_spec("celery") is not None:
+            # Registers the django_tokenbucket.* tasks with the project's Celery app, so that
+            # workers know them without autodiscovery (which looks for tasks.py only).
+            from . import celery  # noqa: F401

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
+from types import ModuleType
 
 from django.db import models
 from django.utils import timezone
@@ -129,12 +130,15 @@ class Reservation(models.Model):
 
     def cancel(self) -> bool:
         """Cancel this reservation if it has not started; see ``reservations.cancel``."""
-        from .reservations import cancel
-
-        return cancel(self)
+        return bool(_reservations().cancel(self))
 
     def refund(self, count: int | float) -> bool:
         """Give back unused tokens once the work has started; see ``reservations.refund``."""
-        from .reservations import refund
+        return bool(_reservations().refund(self, count))
 
-        return refund(self, count)
+
+def _reservations() -> ModuleType:
+    # Imported on use: django_tokenbucket.reservations works on these models.
+    from . import reservations
+
+    return reservations

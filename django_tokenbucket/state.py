@@ -18,6 +18,7 @@ from django.db.models.functions import Cast, Mod
 from django.db.models.lookups import GreaterThanOrEqual
 
 from .algorithms import MICRO, State
+from .backends.database import database_now
 from .config import FIXED_WINDOW, LimitConfig
 
 __all__ = [
@@ -265,6 +266,4 @@ def store_now(alias: str) -> int:
     The database's clock unless ``CLOCK`` is ``"app"`` (or a test froze the clock), so
     that the admin, the command and cleanup see what the next decision would see.
     """
-    from .backends.database import database_now
-
     return database_now(alias)

@@ -510,12 +510,8 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 
         REST_FRAMEWORK = {"EXCEPTION_HANDLER": "django_tokenbucket.throttling.exception_handler"}
     """
-    # Not at the top: importing rest_framework.views reads DEFAULT_THROTTLE_CLASSES,
-    # which names this module's classes, so this module must be complete first.
-    from rest_framework.views import exception_handler as drf_exception_handler
-
     if isinstance(exc, RateLimited):
-        response = drf_exception_handler(Throttled(wait=exc.retry_after), context)
+        response = drf_views.exception_handler(Throttled(wait=exc.retry_after), context)
         if response is not None:
             # RFC 6585: a 429 must not be stored by a cache.
             response["Cache-Control"] = "no-store"
@@ -523,8 +519,12 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
                 add_ratelimit_headers(response, [exc.status])
         return response
     if isinstance(exc, BackendUnavailable):
-        return drf_exception_handler(ServiceUnavailable(), context)
-    return drf_exception_handler(exc, context)
+        return drf_views.exception_handler(ServiceUnavailable(), context)
+    return drf_views.exception_handler(exc, context)
 
 
 registry.add_throttle_rates_source(declared_throttle_rates)
+
+# Last, not at the top: importing rest_framework.views reads DEFAULT_THROTTLE_CLASSES,
+# which names this module's classes, so they must exist first.
+from rest_framework import views as drf_views  # noqa: E402
