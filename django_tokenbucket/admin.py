@@ -44,6 +44,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from .algorithms import MICRO, State
+from .backends import backend_aliases, get_backend
 from .config import LimitConfig
 from .http import key_from_text
 from .keys import encode_key
@@ -140,6 +141,28 @@ def _meter(live: LiveState) -> SafeString:
         live.state,
         round(live.fill * 100),
     )
+
+
+@dataclass(frozen=True)
+class _Elsewhere:
+    alias: str
+    backend: str
+    names: list[str]
+
+
+def stored_elsewhere() -> list[_Elsewhere]:
+    """Return the backends whose buckets are not rows here, with the limits they hold.
+
+    Without this, a project on Redis sees an empty list and no reason for it.
+    """
+    limits = known_limits(as_rows=False)
+    elsewhere = []
+    for alias in backend_aliases():
+        backend = get_backend(alias)
+        if backend.database_alias() is None:
+            names = sorted(name for name, known in limits.items() if known.config.backend == alias)
+            elsewhere.append(_Elsewhere(alias, type(backend).__name__, names))
+    return elsewhere
 
 
 class RateLimitChangeList(ChangeList):
@@ -319,6 +342,7 @@ class RateLimitAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             raise PermissionDenied
         extra = {
             "overview_url": reverse(f"{self.admin_site.name}:django_tokenbucket_ratelimit_limits"),
+            "stored_elsewhere": stored_elsewhere(),
             **(extra_context or {}),
         }
         return super().changelist_view(request, extra)

@@ -20,6 +20,7 @@ from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
 
 from .redis_servers import delete_keys
+from .test_admin import CHANGELIST, client_for, make_user
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
 
@@ -132,3 +133,12 @@ async def test_the_async_api_in_an_event_loop_on_both_stores(close_async_connect
         assert (await limiter.acheck(name, "frank", count=3)).ok
     with pytest.raises(ImproperlyConfigured, match="must be stored on one backend"):
         await limiter.alimit_many([("orders", "frank"), ("api", "frank")])
+
+
+def test_the_admin_says_which_limits_it_cannot_list():
+    limiter.limit("api", "gina")
+    limiter.limit("orders", "gina")
+    page = client_for(make_user("root", superuser=True)).get(CHANGELIST).content.decode()
+    assert "The limits on backend “fast” (RedisBackend) are not stored in this database" in page
+    assert "not listed here: api, api_hot." in page and "tokenbucket show|reset NAME --key SPEC=VALUE" in page
+    assert page.count('class="tb-elsewhere"') == 1  # the default alias is the database: listed
