@@ -14,11 +14,10 @@ from .algorithms import MICRO, Decision
 from .backends import get_backend
 from .backends.base import BackendError, BaseBackend, Outcome, Request
 from .conf import tokenbucket_settings
-from .config import LimitConfig, freeze, parse_limit, to_micro
+from .config import LimitConfig, count_to_micro, freeze, parse_limit
 from .exceptions import BackendUnavailable, RateLimited
 from .keys import EncodedKey, encode_key
 from .logs import throttled_logger
-from .rates import to_fraction
 from .shards import pick_two, shard_configs, shard_key, split
 from .status import MultiStatus, Status
 
@@ -286,12 +285,9 @@ class Limiter:
     def _refund_amount(self, name: str, count: int | float, config: ConfigSpec | None) -> tuple[LimitConfig, int]:
         limit = self.resolve(name, config)
         try:
-            amount = to_micro(to_fraction(count, "count"), "count", count)
-            if amount <= 0:
-                raise ValueError(f"count must be positive, not {count!r}")
+            return limit, count_to_micro(count)
         except ValueError as exc:
             raise ValueError(f"rate limit {limit.name!r}: {exc}") from None
-        return limit, amount
 
     def _state_now(self, name: str, key: object, config: ConfigSpec | None) -> Steps[Status]:
         limit = self.resolve(name, config)

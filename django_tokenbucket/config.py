@@ -15,7 +15,7 @@ from . import algorithms
 from .algorithms import MAX_AMOUNT, MICRO, Decision, State
 from .rates import parse_period, parse_rate, to_fraction
 
-__all__ = ["FIXED_WINDOW", "MAX_SHARDS", "TOKEN_BUCKET", "LimitConfig", "parse_limit", "to_micro"]
+__all__ = ["FIXED_WINDOW", "MAX_SHARDS", "TOKEN_BUCKET", "LimitConfig", "count_to_micro", "parse_limit", "to_micro"]
 
 TOKEN_BUCKET = "token bucket"
 FIXED_WINDOW = "fixed window"
@@ -172,10 +172,7 @@ class LimitConfig:
             micro = count * MICRO
         else:
             try:
-                amount = to_fraction(count, "count")
-                if amount <= 0:
-                    raise ValueError(f"count must be positive, not {count!r}")
-                micro = to_micro(amount, "count", count)
+                micro = count_to_micro(count)
             except ValueError as exc:
                 raise ValueError(f"rate limit {self.name!r}: {exc}") from None
         if not reserve and micro > self.max_plain_count:
@@ -196,6 +193,14 @@ class LimitConfig:
                 f"max_reserved ({self.max_count / MICRO:g}) and could never succeed"
             )
         return micro
+
+
+def count_to_micro(count: object) -> int:
+    """Return a count of tokens (taken, refunded) in micro-tokens; ValueError unless positive and exact."""
+    amount = to_fraction(count, "count")
+    if amount <= 0:
+        raise ValueError(f"count must be positive, not {count!r}")
+    return to_micro(amount, "count", count)
 
 
 def parse_limit(name: object, spec: object) -> LimitConfig:

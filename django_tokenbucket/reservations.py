@@ -24,11 +24,10 @@ from django.utils import timezone
 
 from .api import limiter
 from .conf import tokenbucket_settings
-from .config import LimitConfig, to_micro
+from .config import LimitConfig, count_to_micro
 from .exceptions import BackendUnavailable
 from .keys import EncodedKey
 from .models import Reservation
-from .rates import to_fraction
 
 __all__ = [
     "CELERY_DEFAULTS",
@@ -184,9 +183,7 @@ def refund(reservation: ReservationRef, count: int | float) -> bool:
     started (cancel it instead) or never ran, or a count above what it reserved.
     """
     try:
-        amount = to_micro(to_fraction(count, "count"), "count", count)
-        if amount <= 0:
-            raise ValueError(f"count must be positive, not {count!r}")
+        amount = count_to_micro(count)
     except ValueError as exc:
         raise ValueError(f"refund of reservation {_pk(reservation)}: {exc}") from None
     alias = database_alias()
