@@ -386,7 +386,48 @@ def check_throttle_rates(app_configs: Any = None, **kwargs: Any) -> list[checks.
         for name in scopes:
             if not cls.rate and name not in known and name not in own_rates:
                 messages.append(_no_rate(name, f"{cls.__module__}.{cls.__qualname__}"))
+    for view in _api_views(patterns):
+        messages += _throttles_on_two_backends(view, classes, ScopedRateThrottle, SimpleRateThrottle)
     return messages
+
+
+def _throttles_on_two_backends(view: Any, default_classes: list[Any], scoped: Any, simple: Any) -> list[Any]:
+    """Report a view whose throttles take from limits on two backends (E026).
+
+    A view's throttles are decided together, all-or-nothing, which two stores cannot do;
+    at request time such a view would answer as if the store were down.
+    """
+    user = getattr(settings, "TOKENBUCKET", {})
+    limits = user.get("LIMITS", {}) if isinstance(user, dict) else {}
+    limits = limits if isinstance(limits, dict) else {}
+    scopes: list[str] = []
+    for cls in getattr(view, "throttle_classes", default_classes):
+        if not (isinstance(cls, type) and issubclass(cls, simple)) or getattr(cls, "rate", None):
+            continue
+        if issubclass(cls, scoped):
+            scope = getattr(view, getattr(cls, "scope_attr", "throttle_scope"), None)
+            scopes += [scope] if isinstance(scope, str) else list(scope or ())
+        else:
+            own = getattr(cls, "scope", None)
+            scopes += list(getattr(cls, "scopes", ())) or ([own] if own else [])
+    stores: dict[str, list[str]] = {}
+    for scope in scopes:
+        spec = limits.get(scope)
+        alias = spec.get("backend", DEFAULT_BACKEND_ALIAS) if isinstance(spec, dict) else DEFAULT_BACKEND_ALIAS
+        stores.setdefault(str(alias), []).append(scope)
+    if len(stores) < 2:
+        return []
+    where = "; ".join(f"{alias!r}: {', '.join(map(repr, names))}" for alias, names in stores.items())
+    name = f"{view.__module__}.{view.__qualname__}"
+    return [
+        checks.Error(
+            f"{name}'s throttles take from limits stored on different backends ({where}); they are decided "
+            f"together, all-or-nothing, which two stores cannot do.",
+            hint="Give the scopes' limits in TOKENBUCKET['LIMITS'] the same 'backend'.",
+            obj=view,
+            id="django_tokenbucket.E026",
+        )
+    ]
 
 
 def _no_rate(scope: str, where: str) -> checks.Error:

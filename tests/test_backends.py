@@ -11,6 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connections, transaction
+from django.core.checks import run_checks
 from django.test import override_settings
 from django_redis import get_redis_connection
 
@@ -142,3 +143,12 @@ def test_the_admin_says_which_limits_it_cannot_list():
     assert "The limits on backend “fast” (RedisBackend) are not stored in this database" in page
     assert "not listed here: api, api_hot." in page and "tokenbucket show|reset NAME --key SPEC=VALUE" in page
     assert page.count('class="tb-elsewhere"') == 1  # the default alias is the database: listed
+
+
+def test_check_reports_a_view_whose_throttles_span_two_backends():
+    limits = {**TWO_STORES["LIMITS"], "api_burst": {"rate": "5/s", "backend": "fast"}, "api_sustained": "100/h"}
+    with override_settings(TOKENBUCKET={**TWO_STORES, "LIMITS": limits}):
+        errors = [m for m in run_checks() if m.id == "django_tokenbucket.E026"]
+    assert len(errors) == 1, errors
+    assert errors[0].msg.startswith("tests.views.BurstSustained's throttles take from limits stored on different")
+    assert "'fast': 'api_burst'; 'default': 'api_sustained'" in errors[0].msg
