@@ -7,11 +7,11 @@ from io import StringIO
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connections, transaction
-from django.core.checks import run_checks
 from django.test import override_settings
 from django_redis import get_redis_connection
 
