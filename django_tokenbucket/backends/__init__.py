@@ -7,6 +7,7 @@ says otherwise).
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any
 
@@ -72,7 +73,11 @@ def get_backend(alias: str = DEFAULT_BACKEND_ALIAS) -> BaseBackend:
                     f"{', '.join(map(repr, configured))}"
                 )
             path, options, where = configured[alias]
-            _backends[alias] = backend_class(path, f"{where}['BACKEND']")(options)
+            found = backend_class(path, f"{where}['BACKEND']")
+            # A backend written before aliases may not take ``setting``: it then names
+            # TOKENBUCKET in its messages.
+            named = "setting" in inspect.signature(found).parameters
+            _backends[alias] = found(options, setting=where) if named else found(options)
         return _backends[alias]
 
 

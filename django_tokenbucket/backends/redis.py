@@ -165,9 +165,6 @@ class RedisBackend(BaseBackend):
         self.errors: Counter[str] = Counter()
         self.script_reloads = 0
 
-    # -- public helpers (operations, tests) ---------------------------------------------
-
-
     @classmethod
     def check_options(cls, options: Mapping[str, Any], setting: str) -> list[Any]:
         """Check the cache behind the backend: it exists, is django-redis, and never evicts.
@@ -218,6 +215,9 @@ class RedisBackend(BaseBackend):
                 )
             )
         return messages
+
+    # -- public helpers (operations, tests) ---------------------------------------------
+
     def client(self) -> Any:
         """Return the raw redis-py client of the cache (``Redis`` or ``RedisCluster``)."""
         return self._connect().client
