@@ -105,7 +105,7 @@ class View(peers.Adapter):
             # Both of our backends serve views in this one process: put this view's in
             # place, as peers.py's adapters do (a module attribute; overriding TOKENBUCKET
             # per batch would re-create the backend instead).
-            self.backends._backend = self.backend
+            self.backends._backends["default"] = self.backend
         environ = {**self.environ, "REMOTE_ADDR": address(key), self.user_header: key}
         response = self.handler(environ, _start_response)
         try:

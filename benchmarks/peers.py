@@ -162,17 +162,17 @@ class _Ours(Adapter):
 
     def __init__(self, spec: str) -> None:
         super().__init__(spec)
-        from django_tokenbucket import backends, limiter
+        from django_tokenbucket.api import Limiter
 
-        self.backends = backends
-        self.limiter = limiter
         self.backend = self.make_backend()
+        # A limiter of its own on this adapter's backend: the adapters of one process
+        # never share the process-wide default.
+        self.limiter = Limiter(self.backend)
 
     def make_backend(self) -> Any:
         raise NotImplementedError
 
     def decide(self, key: str) -> bool:
-        self.backends._backend = self.backend
         return self.limiter.limit(self.spec, key).ok
 
 
@@ -219,7 +219,6 @@ class OursDatabaseSharded(OursDatabase):
         self.config = {"rate": self.count, "period": self.period, "shards": 8 if spec == "bench" else 2}
 
     def decide(self, key: str) -> bool:
-        self.backends._backend = self.backend
         return self.limiter.limit(f"{self.spec}-sharded", self.key_prefix + key, config=self.config).ok
 
 
