@@ -21,6 +21,8 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import Any
 
+from django.conf import settings
+from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, OperationalError, connections, router, transaction
 from django.db.models.expressions import RawSQL
@@ -162,9 +164,6 @@ class DatabaseBackend(BaseBackend):
         write, so two decisions can read the same state and then fail with "database
         is locked".
         """
-        from django.conf import settings
-        from django.core import checks
-
         messages = super().check_options(options, setting)
         for flag in ("FAST_PATH", "ASYNC_COMMIT"):
             if flag in options and not isinstance(options[flag], bool):

@@ -27,6 +27,7 @@ from importlib import resources
 from typing import Any, NamedTuple
 
 from django.conf import settings
+from django.core import checks
 from django.core.cache import InvalidCacheBackendError, caches
 from django.core.cache.backends.base import default_key_func
 from django.core.exceptions import ImproperlyConfigured
@@ -174,8 +175,6 @@ class RedisBackend(BaseBackend):
         policy is read with ``CONFIG GET``; when Redis is down or denies CONFIG (as
         managed services may), the check says nothing rather than guess.
         """
-        from django.core import checks
-
         messages = super().check_options(options, setting)
         alias = options.get("CACHE", "default")
         hint = (
