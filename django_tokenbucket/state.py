@@ -19,7 +19,7 @@ from django.db.models.lookups import GreaterThanOrEqual
 
 from .algorithms import MICRO, State
 from .backends.database import database_now
-from .config import FIXED_WINDOW, LimitConfig
+from .config import LimitConfig
 
 __all__ = [
     "FULL",
@@ -186,8 +186,8 @@ def at_least_q(limit: LimitConfig, threshold: int, now: int) -> Q:
     compute; the values shown per row (``live_state``) are always exact.
     """
     elapsed = Value(now) - F("ts")
-    if limit.kind == FIXED_WINDOW:
-        # Whole windows elapsed, times the period: elapsed minus what is left of the current one.
+    if limit.algorithm.phased:
+        # A phased kind credits whole periods only: elapsed minus what is left of the current one.
         elapsed = elapsed - Mod(elapsed, Value(limit.period))
     missing = Value(threshold) - F("value")
     # value + floor(rate * elapsed / period) >= threshold  <=>  rate * elapsed >= missing * period
@@ -197,9 +197,7 @@ def at_least_q(limit: LimitConfig, threshold: int, now: int) -> Q:
 
 def refill_time(limit: LimitConfig, amount: int) -> int:
     """Return the time (µs) after which a row holding 0 or more holds at least ``amount``."""
-    if limit.kind == FIXED_WINDOW:
-        return -(-amount // limit.rate) * limit.period
-    return -(-amount * limit.period // limit.rate)
+    return limit.algorithm.refill_time(amount, limit.rate, limit.period)
 
 
 def _recent_or_in_debt(limit: LimitConfig, amount: int, now: int) -> Q:
