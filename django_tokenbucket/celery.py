@@ -46,12 +46,12 @@ from django.utils import timezone
 from . import clock, reservations
 from .algorithms import MICRO
 from .api import ConfigSpec, limiter
-from .conf import tokenbucket_settings
-from .config import LimitConfig
 from .exceptions import RateLimited
 from .keys import EncodedKey
+from .limits import LimitConfig
 from .models import Reservation
 from .reservations import CELERY_DEFAULTS, WAITING, cancel, refund
+from .settings import tokenbucket_settings
 from .status import Status, ambiguous_truth
 
 __all__ = [

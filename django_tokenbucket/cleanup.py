@@ -36,7 +36,7 @@ from django.db.models import Count, Q
 from .algorithms import MICRO, State
 from .backends import get_backend
 from .backends.database import retrying
-from .config import LimitConfig
+from .limits import LimitConfig
 from .models import RateLimit
 from .registry import known_limits
 from .state import cleanup_span, is_idle, store_now

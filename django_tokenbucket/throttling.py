@@ -44,13 +44,13 @@ from rest_framework.throttling import BaseThrottle
 from . import clock, registry
 from .algorithms import MICRO
 from .api import LimitRequest, limiter
-from .conf import tokenbucket_settings
-from .config import LimitConfig
 from .exceptions import BackendUnavailable, RateLimited
 from .http import add_ratelimit_headers
 from .ip import client_address, ip_key
+from .limits import LimitConfig
 from .logs import throttled_logger
 from .rates import parse_rate
+from .settings import tokenbucket_settings
 from .status import Status
 
 __all__ = [

@@ -29,10 +29,10 @@ from django.db.models.expressions import RawSQL
 
 from .. import clock
 from ..algorithms import State
-from ..conf import tokenbucket_settings
-from ..config import LimitConfig
 from ..keys import EncodedKey
+from ..limits import LimitConfig
 from ..models import RateLimit
+from ..settings import tokenbucket_settings
 from .base import BackendError, BaseBackend, Outcome, Request, RowId, decide_all, row_id
 from .deadline import Watch, watching
 from .postgresql import FUNCTION_NAME, UNDEFINED_FUNCTION, decide_in_server, is_postgresql
