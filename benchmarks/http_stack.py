@@ -337,6 +337,7 @@ def main() -> None:
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "settings": {
                 "limit": "100 per second, burst 100",
+                "quick": bool(args.quick),
                 "rounds": rounds,
                 "seconds": seconds,
                 "keys": keys,

@@ -565,7 +565,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             ),
             row(
                 "redis",
-                f"{label} p50 < django-ratelimit's",
+                f"{label} p50 below django-ratelimit's",
                 ratio(p50(mode, redis), p50(mode, "django-ratelimit")),
                 1.0,
                 "lower",
@@ -573,7 +573,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             ),
             row(
                 "redis",
-                f"{label} p50 < DRF's throttle's",
+                f"{label} p50 below DRF's throttle's",
                 ratio(p50(mode, redis), p50(mode, "DRF UserRateThrottle")),
                 1.0,
                 "lower",
@@ -752,6 +752,7 @@ def main() -> None:
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "settings": {
                 "limit": "token bucket 100/s, burst 100 (peers: 100 per second)",
+                "quick": bool(args.quick),
                 "rounds": rounds,
                 "seconds": seconds,
                 "fresh_keys": distinct,
