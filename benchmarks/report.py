@@ -35,9 +35,10 @@ def _n(value: float | None, digits: int = 0) -> str:
     return "—" if value is None else f"{value:,.{digits}f}"
 
 
-def table(header: list[str], rows: list[list[str]], right_from: int = 1) -> str:
-    """A Markdown table, its columns from ``right_from`` on aligned right."""
-    align = ["---" if i < right_from else "--:" for i in range(len(header))]
+def table(header: list[str], rows: list[list[str]], right_from: int = 1, right_to: int | None = None) -> str:
+    """A Markdown table, its columns from ``right_from`` (up to ``right_to``, excluded) aligned right."""
+    end = len(header) if right_to is None else right_to
+    align = ["--:" if right_from <= i < end else "---" for i in range(len(header))]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
@@ -62,7 +63,7 @@ def value_cell(row: dict[str, Any]) -> str:
 
 def targets_table(rows: list[dict[str, Any]]) -> str:
     body = [[GROUPS.get(row["group"], row["group"]), row["target"], value_cell(row), verdict(row)] for row in rows]
-    return table(["store", "target (ratio of this run's figures)", "this run", "met?"], body, right_from=2)
+    return table(["store", "target (ratio of this run's figures)", "this run", "met?"], body, right_from=2, right_to=3)
 
 
 def machine_paragraph(peers: dict[str, Any], http: dict[str, Any]) -> str:
@@ -88,7 +89,7 @@ def machine_paragraph(peers: dict[str, Any], http: dict[str, Any]) -> str:
         f"django-redis {p.get('django-redis')}, DRF {p.get('djangorestframework')}, "
         f"django-ratelimit {p.get('django-ratelimit')}, limits {p.get('limits')}.\n\n"
         f"One process: {s['rounds']} interleaved rounds × {s['seconds']} s per adapter and scenario; "
-        f"fresh keys: {s['fresh_keys']:,} keys in turn. {s['processes']} processes: {s['mp_rounds']} runs × "
+        f"fresh keys: {s['fresh_keys']:,} keys in turn. {s['processes']} processes: {s['mp_rounds']} run{'s' if s['mp_rounds'] > 1 else ''} × "
         f"{s['mp_seconds']} s per adapter. HTTP: {hs['rounds']} rounds × {hs['seconds']} s per view and "
         f"scenario, {hs['keys']:,} clients."
     )
@@ -206,7 +207,7 @@ def http_section(http: dict[str, Any]) -> str:
         "store",
         "process",
         "round trips (SQL + Redis)",
-        "p50 µs",
+        "allowed: p50 µs",
         "p99 µs",
         "overhead µs",
         "hot p50 µs",
