@@ -89,7 +89,8 @@ def machine_paragraph(peers: dict[str, Any], http: dict[str, Any]) -> str:
         f"django-redis {p.get('django-redis')}, DRF {p.get('djangorestframework')}, "
         f"django-ratelimit {p.get('django-ratelimit')}, limits {p.get('limits')}.\n\n"
         f"One process: {s['rounds']} interleaved rounds × {s['seconds']} s per adapter and scenario; "
-        f"fresh keys: {s['fresh_keys']:,} keys in turn. {s['processes']} processes: {s['mp_rounds']} run{'s' if s['mp_rounds'] > 1 else ''} × "
+        f"fresh keys: {s['fresh_keys']:,} keys in turn. {s['processes']} processes: {s['mp_rounds']} "
+        f"run{'s' if s['mp_rounds'] > 1 else ''} × "
         f"{s['mp_seconds']} s per adapter. HTTP: {hs['rounds']} rounds × {hs['seconds']} s per view and "
         f"scenario, {hs['keys']:,} clients."
     )
