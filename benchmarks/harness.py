@@ -223,7 +223,8 @@ class Host:
 
         decide = self.adapters(spec)[name].decide
         decide(f"warm-{os.getpid()}")  # connected before the clock starts
-        self.barrier.wait()
+        # A timeout, so that a pool whose sibling failed does not wait for ever.
+        self.barrier.wait(timeout=300)
         calls = admitted = 0
         started = time.time()
         deadline = started + seconds
