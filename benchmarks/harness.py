@@ -209,13 +209,46 @@ class Host:
         self, spec: str, name: str, mode: str, param: int, offset: int, seconds: float
     ) -> tuple[list[float], int]:
         adapter = self.adapters(spec)[name]
-        if mode == "hot" and adapter.algorithm != "-":
-            # The hot key has refilled while the other adapters ran: empty it first (untimed),
-            # so that the batch measures the steady state of a hot key, mostly denials.
-            for _ in range(2 * adapter.count + 10):
-                if not adapter.decide("hot"):
-                    break
+        if mode == "hot":
+            self._drain(adapter)
         return timed_batch(adapter.decide, keys_for(mode, param, offset), seconds)
+
+    @staticmethod
+    def _drain(adapter: Any) -> None:
+        """Empty the hot key (untimed): it has refilled while the other adapters ran, and a
+        batch should measure the steady state of a hot key, mostly denials."""
+        if adapter.algorithm == "-":
+            return
+        for _ in range(2 * adapter.count + 10):
+            if not adapter.decide("hot"):
+                break
+
+    def profile(self, spec: str, name: str, mode: str, param: int, seconds: float, top: int = 25) -> dict[str, Any]:
+        """cProfile of ``decide`` for ``seconds`` in ``mode``: where the client's time goes."""
+        import cProfile
+        import io
+        import pstats
+        import sys
+
+        adapter = self.adapters(spec)[name]
+        keys = keys_for(mode, param, 0)
+        if mode == "hot":
+            self._drain(adapter)
+        profiler = cProfile.Profile()
+        calls = 0
+        deadline = time.perf_counter() + seconds
+        profiler.enable()
+        while time.perf_counter() < deadline:
+            adapter.decide(keys(calls))
+            calls += 1
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+        text = out.getvalue()
+        for prefix in sorted({*sys.path, sys.prefix}, key=len, reverse=True):
+            if len(prefix) > 1:
+                text = text.replace(prefix.rstrip("/") + "/", "")
+        return {"calls": calls, "seconds": seconds, "stats": text}
 
     def hammer(self, spec: str, name: str, key: str, seconds: float) -> tuple[int, int, float, float]:
         """Wait for the pool at the barrier, then call ``decide(key)`` for ``seconds``."""

@@ -286,14 +286,14 @@ def main() -> None:
     """Run the phases and print the report (``--help`` for the knobs)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer, shorter rounds: about 30 s")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 6; quick 3)")
-    parser.add_argument("--seconds", type=float, help="seconds per view, mode and round (default 0.5; quick 0.25)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 10; quick 4)")
+    parser.add_argument("--seconds", type=float, help="seconds per view, mode and round (default 0.3; quick 0.2)")
     parser.add_argument("--keys", type=int, help="distinct clients of the allowed mode (default 1000; quick 300)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--run-id", help="an identifier of the run, recorded in the JSON (make bench gives one)")
     args = parser.parse_args()
-    rounds = args.rounds or (3 if args.quick else 6)
-    seconds = args.seconds or (0.25 if args.quick else 0.5)
+    rounds = args.rounds or (4 if args.quick else 10)
+    seconds = args.seconds or (0.2 if args.quick else 0.3)
     keys = args.keys or (300 if args.quick else 1000)
 
     # The workers and the coordinator read these settings, each with its own configuration.

@@ -659,6 +659,9 @@ def print_report(result: dict[str, Any]) -> None:
         print("\nRedis memory for one key after 10 allowed decisions (MEMORY USAGE):")
         for name, mem in result["memory"].items():
             print(f"  {name:22} {mem['bytes']:5} bytes in {mem['keys']} key(s)")
+    for label, profile in result.get("profiles", {}).items():
+        print(f"\nProfile of {label}: {profile['calls']:,} decisions in {profile['seconds']} s")
+        print(profile["stats"].strip())
     print_targets(result["targets"])
 
 
@@ -675,8 +678,8 @@ def print_targets(rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short phases and 10^5 rows: about a minute")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds of the single-process phase (default 6)")
-    parser.add_argument("--seconds", type=float, help="seconds per adapter and round, single process (default 0.4)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds of the single-process phase (default 10)")
+    parser.add_argument("--seconds", type=float, help="seconds per adapter and round, single process (default 0.25)")
     parser.add_argument("--processes", type=int, default=8, help="processes on the hot key (default 8)")
     parser.add_argument("--mp-rounds", type=int, help="rounds of the multi-process phase (default 3)")
     parser.add_argument("--mp-seconds", type=float, help="seconds per multi-process run (default 2.5)")
@@ -684,12 +687,19 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--run-id", help="an identifier of the run, recorded in the JSON (make bench gives one)")
     parser.add_argument(
+        "--profile",
+        metavar="NAMES",
+        help="comma-separated adapters to profile (cProfile, 2 s per scenario) after the timed phases",
+    )
+    parser.add_argument(
         "--only", metavar="NAMES", help="comma-separated adapter names to run (default: all but the sharded ones)"
     )
     args = parser.parse_args()
     quick = args.quick
-    rounds = args.rounds or (3 if quick else 6)
-    seconds = args.seconds or (0.2 if quick else 0.4)
+    # Many short rounds rather than a few long ones: a burst of load elsewhere on the
+    # machine then falls on every adapter alike.
+    rounds = args.rounds or (4 if quick else 10)
+    seconds = args.seconds or (0.15 if quick else 0.25)
     mp_rounds = args.mp_rounds or (1 if quick else 3)
     mp_seconds = args.mp_seconds or (1.5 if quick else 2.5)
     rows = args.rows if args.rows is not None else (10**5 if quick else 10**6)
@@ -738,6 +748,13 @@ def main() -> None:
                 print(f"key scale: 10^3 then {rows:,} rows ...", flush=True)
                 scale = key_scale({n: where[n] for n in ("tokenbucket db", "SELECT 1")}, rows, seconds, rounds)
 
+            profiles: dict[str, Any] = {}
+            for name in args.profile.split(",") if args.profile else []:
+                if name not in where:
+                    raise SystemExit(f"--profile {name!r}: not an adapter of this run")
+                for mode, param in (("fresh", distinct), ("hot", 0)):
+                    profiles[f"{name}, {mode}"] = where[name].call("profile", "bench", name, mode, param, 2.0)
+
             memory: dict[str, Any] = {}
             for worker in workers.values():
                 memory |= worker.call("memory", "memory")
@@ -767,6 +784,7 @@ def main() -> None:
             "processes": many,
             "scale": scale,
             "memory": memory,
+            "profiles": profiles,
         }
         result["targets"] = targets(result)
     finish(result, print_report, started, load_before, args.json)
