@@ -71,4 +71,6 @@ def seed() -> None:
         ts = now - ago * MICRO
         if name == "partner_api":
             ts -= ts % (60 * MICRO)  # fixed windows store the start of their window (start=0 here)
-        RateLimit.objects.create(name=name, key=encoded.digest, label=encoded.label, value=round(tokens * MICRO), ts=ts)
+        RateLimit.objects.create(
+            name=name, key=encoded.digest, label=encoded.label, value=round(tokens * MICRO), ts=ts
+        )
