@@ -343,7 +343,7 @@ class Worker:
     def ready(self, timeout: float = 180) -> None:
         if not self.conn.poll(timeout):
             raise WorkerError(f"worker {self.label} did not start in {timeout} s")
-        _, self.pid = self.conn.recv()
+        self.pid = self.receive()
 
     def send(self, method: str, *args: Any) -> None:
         self.conn.send((method, args))
