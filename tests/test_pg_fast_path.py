@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 from django.conf import settings as django_settings
@@ -31,6 +32,7 @@ from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.base import Request
 from django_tokenbucket.backends.database import DatabaseBackend
 from django_tokenbucket.backends.postgresql import (
+    _PRODUCT_BOUND,
     FUNCTION_NAME,
     FUNCTIONS_SQL,
     SINGLE_STATEMENT_MARK,
@@ -192,6 +194,68 @@ def test_denials_and_checks_write_no_row_version(backend):
         clock.advance(6)
         assert limiter.limit("ten_per_minute", "k").ok
         assert row_version("ten_per_minute")[0] != written[0]
+
+
+def test_a_denial_and_a_check_take_no_transaction_id_and_lock_no_row(backend):
+    """The single statement run inside a transaction of the test's own, which shows
+    whether it took a transaction id (any write, or a row lock, would)."""
+    config = parity._config(name="xid", rate=10 * MICRO, period=60 * MICRO, capacity=10 * MICRO)
+    request = Request(config, parity.ALICE, MICRO)
+
+    def decide(apply: bool) -> bool:
+        outcome = decide_one(connection, request, apply=apply, pinned_now=parity.T0_US, async_commit=False)
+        assert outcome is not None
+        return outcome.decisions[0].allowed
+
+    assert all(decide(apply=True) for _ in range(10))
+    assert not any(decide(apply=True) for _ in range(3))  # sent, then prepared: alike
+    for apply in (True, False):  # a denial, and a check
+        with transaction.atomic():
+            assert not decide(apply)
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_current_xact_id_if_assigned()")
+                assert cursor.fetchone()[0] is None
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT xmax::text FROM django_tokenbucket_ratelimit WHERE name = 'xid'")
+        assert cursor.fetchone()[0] == "0"
+
+
+def paths_taken(trace) -> list[str]:
+    labels: list[str] = []
+    replay("single-prepared", parity.T0_US, trace, note=labels.append)
+    return [label for label in labels if label.startswith(("decided", "handed"))]
+
+
+SINGLE, GENERAL = "decided by the single statement", "handed to the general function"
+
+
+def test_configs_beyond_the_bigint_bounds_go_to_the_general_function():
+    """The caller's bound: every product of a deficit (here the count) and the period
+    below 2^62. One period more, and the same call goes to the general function."""
+    rate, count = MICRO, MICRO
+    period = (_PRODUCT_BOUND - rate) // (count + 1)
+    inside = parity._config(rate=rate, period=period, capacity=MICRO)
+    outside = replace(inside, period=period + 2)
+    assert paths_taken([(0, [Request(inside, parity.ALICE, count)], True)]) == [SINGLE]
+    assert paths_taken([(0, [Request(outside, parity.ALICE, count)], True)]) == [GENERAL]
+
+
+def test_states_beyond_the_bigint_bounds_go_to_the_general_function():
+    """The function's bounds, checked in SQL on the stored state: a debt deeper than the
+    bound allows for this config, and clocks beyond 2^61 µs."""
+    config = parity._config(rate=MICRO, period=2**40, capacity=MICRO)
+    slack = (_PRODUCT_BOUND - config.rate) // config.period - 1 - 1  # for a count of 1
+    # Taking more than slack from a full bucket leaves a value below what the bound allows.
+    shallow, deep = slack, slack + 1
+    for debt, path in ((shallow, SINGLE), (deep, GENERAL)):
+        trace = [
+            (0, [Request(config, parity.ALICE, debt, True)], True),
+            (0, [Request(config, parity.ALICE, 1, True)], True),
+        ]
+        assert paths_taken(trace)[-1] == path
+    late = 2**61 - parity.T0_US
+    trace = [(late, [Request(config, parity.ALICE, 1)], True), (1, [Request(config, parity.ALICE, 1)], True)]
+    assert paths_taken(trace) == [SINGLE, GENERAL]
 
 
 def test_a_denied_fresh_key_creates_no_row(backend):

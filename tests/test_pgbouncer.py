@@ -151,7 +151,7 @@ def test_the_fast_path_finds_the_pooler_and_sends_its_statement_unprepared(pgbou
     with through_pgbouncer():
         values = []
         with CaptureQueriesContext(connections[ALIAS]) as queries:
-            for turn in range(6):
+            for _ in range(6):
                 values.append(limiter.limit("bounced", "k", config=CONFIG).value)
                 values.append(in_another_thread(lambda: limiter.limit("bounced", "k", config=CONFIG).value))
         assert values == [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0, 0]
