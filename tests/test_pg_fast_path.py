@@ -1,9 +1,11 @@
 """The database backend's PostgreSQL fast path: one statement per decision.
 
-Parity: generated traces replayed through the server-side function and through the
-Python algorithms give identical decisions and stored states. Then what the fast path
-promises beyond the portable one: one round trip, no row version written by a denial
-or a check, the caller's transaction still honoured, a missing function survived, and
+Parity: generated traces replayed through the server-side functions (the single
+decision, prepared and sent as it is, handing back what is past its bigint bounds; and
+the general function alone) and through the Python algorithms give identical decisions
+and stored states. Then what the fast path promises beyond the portable one: one round
+trip, no row version written and no transaction id taken by a denial or a check, the
+bigint bounds, the caller's transaction still honoured, a missing function survived, and
 commits that skip the WAL flush when ASYNC_COMMIT is on. Exactness under several
 processes is in test_concurrency.py, which on PostgreSQL runs through this path.
 """
