@@ -56,10 +56,10 @@ def main() -> None:
     options = {name: ast.literal_eval(value) for name, value in (option.split("=", 1) for option in args.option)}
     setup_test_environment()
     old = setup_databases(verbosity=0, interactive=False, aliases={"default"}, serialized_aliases=set())
+    direct_port = connection.settings_dict["PORT"]
     try:
         if args.port:
             connections.close_all()
-            settings.DATABASES["default"]["PORT"] = args.port
             connection.settings_dict["PORT"] = args.port
         with connection.cursor() as cursor:
             cursor.execute("CREATE TABLE IF NOT EXISTS bench_row (id int PRIMARY KEY, n bigint NOT NULL)")
@@ -69,6 +69,16 @@ def main() -> None:
             run(args.rounds, args.calls, limiter, connection)
     finally:
         connections.close_all()
+        if args.port:
+            # The pooler keeps its server connections open: end them, or the test
+            # database cannot be dropped.
+            connection.settings_dict["PORT"] = direct_port
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+            connections.close_all()
         teardown_databases(old, verbosity=0)
 
 
