@@ -260,6 +260,21 @@ def test_states_beyond_the_bigint_bounds_go_to_the_general_function():
     assert paths_taken(trace) == [SINGLE, GENERAL]
 
 
+def test_a_statement_the_session_lost_is_sent_and_prepared_again(backend):
+    """DISCARD ALL or DEALLOCATE (a pooler's reset query, say) drops the prepared statement:
+    the next decision sends it as it is, and the one after prepares it again."""
+    with frozen_clock(T0):
+        for expected in (9, 8):  # sent, then prepared
+            assert limiter.limit("ten_per_minute", "lost").value == expected
+        with connection.cursor() as cursor:
+            cursor.execute("DEALLOCATE ALL")
+        with CaptureQueriesContext(connection) as queries:
+            for expected in (7, 6, 5):
+                assert limiter.limit("ten_per_minute", "lost").value == expected
+    kinds = [q["sql"].split(" ", 1)[0] for q in queries]
+    assert kinds == ["EXECUTE", "SELECT", "PREPARE", "EXECUTE", "EXECUTE"]
+
+
 def test_a_denied_fresh_key_creates_no_row(backend):
     with frozen_clock(T0):
         both = [LimitRequest("ten_per_minute", "new", count=6), LimitRequest("ten_per_minute", "new", count=5)]

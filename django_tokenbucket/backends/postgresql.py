@@ -213,7 +213,8 @@ def decide_one(
             except DatabaseError as exc:
                 # The session lost it (DISCARD ALL, DEALLOCATE): learn again, meanwhile
                 # send the statement itself. Nothing ran: the EXECUTE failed before.
-                if getattr(exc.__cause__, "sqlstate", None) != _NO_SUCH_STATEMENT:
+                cause = exc.__cause__
+                if (getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)) != _NO_SUCH_STATEMENT:
                     raise
                 del _prepared[raw]
         if row is None:
