@@ -88,6 +88,11 @@ def timeout_option(value: Any, setting: str = "TOKENBUCKET") -> float | None:
     return float(value)
 
 
+def _valid_prepare(value: Any) -> bool:
+    # By identity: 1 == True, and 1 is not a mode.
+    return any(value is mode or (isinstance(mode, str) and value == mode) for mode in PREPARE_MODES)
+
+
 def _prepare_message(setting: str, value: Any) -> str:
     return f"{setting}['OPTIONS']['PREPARE'] must be 'auto', True or False, not {value!r}."
 
@@ -149,7 +154,7 @@ class DatabaseBackend(BaseBackend):
         self.fast_path = bool(self.options.get("FAST_PATH", OPTION_DEFAULTS["FAST_PATH"]))
         self.async_commit = bool(self.options.get("ASYNC_COMMIT", OPTION_DEFAULTS["ASYNC_COMMIT"]))
         self.prepare: str | bool = self.options.get("PREPARE", OPTION_DEFAULTS["PREPARE"])
-        if self.prepare not in PREPARE_MODES:
+        if not _valid_prepare(self.prepare):
             raise ImproperlyConfigured(_prepare_message(setting, self.prepare))
         try:
             self.timeout = timeout_option(self.options.get("TIMEOUT"), setting)
@@ -193,7 +198,7 @@ class DatabaseBackend(BaseBackend):
             timeout_option(options.get("TIMEOUT"), setting)
         except ValueError as exc:
             messages.append(checks.Error(str(exc), id="django_tokenbucket.E015"))
-        if options.get("PREPARE", "auto") not in PREPARE_MODES:
+        if not _valid_prepare(options.get("PREPARE", "auto")):
             messages.append(checks.Error(_prepare_message(setting, options["PREPARE"]), id="django_tokenbucket.E014"))
         alias = options.get("DATABASE") or router.db_for_write(RateLimit)
         if alias not in settings.DATABASES:
