@@ -37,6 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "only_on(*databases): the test concerns these databases only (sqlite, postgres, "
         "mariadb); the tox envs of the others deselect it",
     )
+    config.addinivalue_line(
+        "markers", "pgbouncer: starts its own pgbouncer process (needs the pgbouncer binary: apt-get install pgbouncer)"
+    )
     config.addinivalue_line("markers", "redis: uses the Redis server of tests/settings.py (REDIS_HOST/REDIS_PORT)")
     config.addinivalue_line(
         "markers", "redis_processes: starts its own redis-server processes (needs redis-server, redis-cli)"
@@ -56,6 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=deselected)
         items[:] = kept
     _require_redis(config, items)
+    _require_pgbouncer(items)
     if db not in _SERVICES:
         return
     label, host, port = _SERVICES[db]
@@ -78,6 +82,24 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.section("concurrency figures")
         for figures in FIGURES:
             terminalreporter.line(json.dumps(figures, sort_keys=True))
+
+
+def pgbouncer_binary() -> str | None:
+    """Return the pgbouncer executable (Debian installs it in /usr/sbin), or None."""
+    return shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin:/usr/local/sbin")
+
+
+def _require_pgbouncer(items: list[pytest.Item]) -> None:
+    """Skip (or, in CI, refuse to run) the PgBouncer tests when pgbouncer is not installed."""
+    if pgbouncer_binary() is not None:
+        return
+    problem = "pgbouncer not found: install it (apt-get install pgbouncer) to run the tests through PgBouncer"
+    for item in items:
+        if item.get_closest_marker("pgbouncer") is None:
+            continue
+        if IN_CI:
+            raise pytest.UsageError(f"CI=true and {problem}")
+        item.add_marker(pytest.mark.skip(reason=problem))
 
 
 def _redis_problem(item: pytest.Item, unreachable: str | None, missing: str | None) -> str | None:

@@ -4,6 +4,7 @@ changed with ``PGHOST``/``PGPORT``/``PGUSER`` and ``MYSQL_HOST``/``MYSQL_PORT``/
 """
 
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -58,6 +59,14 @@ REST_FRAMEWORK = {
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 DB = os.environ.get("TOKENBUCKET_TEST_DB", "sqlite")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 _SQLITE_DIR = Path(os.environ.get("TOKENBUCKET_TEST_TMP", tempfile.gettempdir()))
 
 if DB == "postgres":
@@ -82,6 +91,14 @@ if DB == "postgres":
                 "isolation_level": IsolationLevel.SERIALIZABLE,
                 "options": "-c default_transaction_isolation=serializable",
             },
+            "TEST": {"MIRROR": "default"},
+        },
+        # The same test database through a PgBouncer in transaction pooling mode, which
+        # tests/test_pgbouncer.py starts on this port (one free when the settings load).
+        "pgbouncer": {
+            **_pg,
+            "HOST": "127.0.0.1",
+            "PORT": os.environ.get("TOKENBUCKET_PGBOUNCER_PORT") or str(_free_port()),
             "TEST": {"MIRROR": "default"},
         },
     }

@@ -354,6 +354,20 @@ def test_database_flags_as_bools_are_fine():
         assert our_messages() == []
 
 
+@pytest.mark.parametrize("value", ["yes", "AUTO", 1, None])
+def test_database_prepare_must_be_auto_or_a_bool_e014(value):
+    with override_settings(TOKENBUCKET=tokenbucket(OPTIONS={"DATABASE": "unreachable", "PREPARE": value})):
+        messages = our_messages()
+        assert ids(messages) == ["django_tokenbucket.E014"]
+        assert "'PREPARE'" in messages[0].msg and repr(value) in messages[0].msg
+
+
+@pytest.mark.parametrize("value", ["auto", True, False])
+def test_database_prepare_values_are_fine(value):
+    with override_settings(TOKENBUCKET=tokenbucket(OPTIONS={"DATABASE": "unreachable", "PREPARE": value})):
+        assert our_messages() == []
+
+
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), True, "2", [2]])
 def test_database_timeout_must_be_positive_seconds_e015(value):
     with override_settings(TOKENBUCKET=tokenbucket(OPTIONS={"DATABASE": "unreachable", "TIMEOUT": value})):

@@ -1,9 +1,11 @@
 """The database backend's PostgreSQL fast path: one statement per decision.
 
-Parity: generated traces replayed through the server-side function and through the
-Python algorithms give identical decisions and stored states. Then what the fast path
-promises beyond the portable one: one round trip, no row version written by a denial
-or a check, the caller's transaction still honoured, a missing function survived, and
+Parity: generated traces replayed through the server-side functions (the single
+decision, prepared and sent as it is, handing back what is past its bigint bounds; and
+the general function alone) and through the Python algorithms give identical decisions
+and stored states. Then what the fast path promises beyond the portable one: one round
+trip, no row version written and no transaction id taken by a denial or a check, the
+bigint bounds, the caller's transaction still honoured, a missing function survived, and
 commits that skip the WAL flush when ASYNC_COMMIT is on. Exactness under several
 processes is in test_concurrency.py, which on PostgreSQL runs through this path.
 """
@@ -15,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 from django.conf import settings as django_settings
@@ -25,11 +28,20 @@ from django.test.utils import CaptureQueriesContext
 from hypothesis import event, given
 
 from django_tokenbucket import BackendUnavailable, LimitRequest, limiter
+from django_tokenbucket import clock as clock_module
 from django_tokenbucket.algorithms import MICRO, State
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.base import Request
 from django_tokenbucket.backends.database import DatabaseBackend
-from django_tokenbucket.backends.postgresql import FUNCTION_NAME, FUNCTIONS_SQL, drop_sql
+from django_tokenbucket.backends.postgresql import (
+    _PRODUCT_BOUND,
+    FUNCTION_NAME,
+    FUNCTIONS_SQL,
+    SINGLE_STATEMENT_MARK,
+    decide_in_server,
+    decide_one,
+    drop_sql,
+)
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
 
@@ -71,46 +83,70 @@ def stored(request: Request) -> State | None:
     return State(*rows[0]) if rows else None
 
 
-def replay(backend: DatabaseBackend, start: int, trace, note=lambda label: None) -> None:
-    RateLimit.objects.all().delete()
+#: The ways a decision reaches the server: the single statement (prepared, or sent as it
+#: is, as behind PgBouncer), falling back to the general function where it hands the
+#: decision back; and the general function alone.
+PATHS = ["single-prepared", "single-sent", "general"]
+
+
+def deciding(path: str, async_commit: bool = False, note=lambda label: None):
+    """Return a ``decide(requests, apply)`` that takes ``path`` at the pinned time."""
 
     def decide(requests, apply):
-        with CaptureQueriesContext(connection) as queries:
-            outcome = backend.decide(requests, apply=apply)
-        assert len(queries) == 1, "the fast path was not taken"
-        return outcome
+        pinned_now = clock_module.override()
+        if path != "general" and len(requests) == 1:
+            prepare = path == "single-prepared"
+            outcome = decide_one(
+                connection, requests[0], apply=apply, pinned_now=pinned_now, async_commit=async_commit, prepare=prepare
+            )
+            if outcome is not None:
+                note("decided by the single statement")
+                return outcome
+            note("handed to the general function")
+        with connection.cursor() as cursor:
+            return decide_in_server(cursor, requests, apply=apply, pinned_now=pinned_now, async_commit=async_commit)
 
-    parity.replay(decide, stored, start, trace, note)
+    return decide
+
+
+def replay(path: str, start: int, trace, note=lambda label: None, async_commit: bool = False) -> None:
+    RateLimit.objects.all().delete()
+    parity.replay(deciding(path, async_commit, note), stored, start, trace, note)
+
+
+@pytest.fixture(params=PATHS)
+def path(request) -> str:
+    return request.param
 
 
 @parity.PARITY
 @given(parity.traces())
-def test_plpgsql_and_python_agree_on_every_decision(backend, case):
+def test_sql_and_python_agree_on_every_decision(path, case):
     """Decisions, values, retry_after, full_after and stored states, bit for bit."""
-    replay(backend, *case, note=event)
+    replay(path, *case, note=event)
 
 
 @parity.PARITY
 @given(parity.near_ties())
-def test_plpgsql_and_python_agree_on_near_ties(backend, case):
-    replay(backend, *case)
+def test_sql_and_python_agree_on_near_ties(path, case):
+    replay(path, *case, note=event)
 
 
 @pytest.mark.parametrize("config, trace", parity.BEYOND_53_BITS, ids=parity.BEYOND_53_BITS_IDS)
-def test_plpgsql_and_python_agree_beyond_53_bits(backend, config, trace):
-    replay(backend, parity.T0_US, parity.beyond_53_bits_trace(config, trace))
+def test_sql_and_python_agree_beyond_53_bits(path, config, trace):
+    replay(path, parity.T0_US, parity.beyond_53_bits_trace(config, trace))
 
 
-def test_plpgsql_and_python_agree_when_a_window_moves(backend):
-    replay(backend, parity.T0_US, parity.window_move_trace())
+def test_sql_and_python_agree_when_a_window_moves(path):
+    replay(path, parity.T0_US, parity.window_move_trace())
 
 
-def test_plpgsql_and_python_agree_at_the_clock_skew_tolerance(backend):
-    replay(backend, parity.T0_US, parity.clock_skew_trace())
+def test_sql_and_python_agree_at_the_clock_skew_tolerance(path):
+    replay(path, parity.T0_US, parity.clock_skew_trace())
 
 
-def test_async_commit_decides_alike(async_backend):
-    replay(async_backend, parity.T0_US, parity.window_move_trace())
+def test_async_commit_decides_alike(path):
+    replay(path, parity.T0_US, parity.window_move_trace(), async_commit=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -125,6 +161,15 @@ def row_version(name: str) -> tuple[str, int, int]:
         return cursor.fetchone()
 
 
+def on_fast_path(sql: str) -> bool:
+    return FUNCTION_NAME in sql or SINGLE_STATEMENT_MARK in sql
+
+
+def decisions_sent(queries) -> list[str]:
+    """The statements that decided, without the one PREPARE a connection sends."""
+    return [q["sql"] for q in queries if not q["sql"].startswith("PREPARE")]
+
+
 def test_a_decision_is_one_statement(backend):
     with frozen_clock(T0), CaptureQueriesContext(connection) as queries:
         assert limiter.limit("ten_per_minute", "one").ok
@@ -132,7 +177,10 @@ def test_a_decision_is_one_statement(backend):
         limiter.limit_many(
             [LimitRequest("ten_per_minute", "one"), LimitRequest("inline", "one", config={"rate": 1, "period": 1})]
         )
-    assert [FUNCTION_NAME in q["sql"] for q in queries] == [True, True, True]
+    sent = decisions_sent(queries)
+    assert [SINGLE_STATEMENT_MARK in sql for sql in sent] == [True, True, False]
+    assert FUNCTION_NAME in sent[2]
+    assert len(queries) - len(sent) <= 1
 
 
 def test_denials_and_checks_write_no_row_version(backend):
@@ -150,6 +198,83 @@ def test_denials_and_checks_write_no_row_version(backend):
         assert row_version("ten_per_minute")[0] != written[0]
 
 
+def test_a_denial_and_a_check_take_no_transaction_id_and_lock_no_row(backend):
+    """The single statement run inside a transaction of the test's own, which shows
+    whether it took a transaction id (any write, or a row lock, would)."""
+    config = parity._config(name="xid", rate=10 * MICRO, period=60 * MICRO, capacity=10 * MICRO)
+    request = Request(config, parity.ALICE, MICRO)
+
+    def decide(apply: bool) -> bool:
+        outcome = decide_one(connection, request, apply=apply, pinned_now=parity.T0_US, async_commit=False)
+        assert outcome is not None
+        return outcome.decisions[0].allowed
+
+    assert all(decide(apply=True) for _ in range(10))
+    assert not any(decide(apply=True) for _ in range(3))  # sent, then prepared: alike
+    for apply in (True, False):  # a denial, and a check
+        with transaction.atomic():
+            assert not decide(apply)
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_current_xact_id_if_assigned()")
+                assert cursor.fetchone()[0] is None
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT xmax::text FROM django_tokenbucket_ratelimit WHERE name = 'xid'")
+        assert cursor.fetchone()[0] == "0"
+
+
+def paths_taken(trace) -> list[str]:
+    labels: list[str] = []
+    replay("single-prepared", parity.T0_US, trace, note=labels.append)
+    return [label for label in labels if label.startswith(("decided", "handed"))]
+
+
+SINGLE, GENERAL = "decided by the single statement", "handed to the general function"
+
+
+def test_configs_beyond_the_bigint_bounds_go_to_the_general_function():
+    """The caller's bound: every product of a deficit (here the count) and the period
+    below 2^62. One period more, and the same call goes to the general function."""
+    rate, count = MICRO, MICRO
+    period = (_PRODUCT_BOUND - rate) // (count + 1)
+    inside = parity._config(rate=rate, period=period, capacity=MICRO)
+    outside = replace(inside, period=period + 2)
+    assert paths_taken([(0, [Request(inside, parity.ALICE, count)], True)]) == [SINGLE]
+    assert paths_taken([(0, [Request(outside, parity.ALICE, count)], True)]) == [GENERAL]
+
+
+def test_states_beyond_the_bigint_bounds_go_to_the_general_function():
+    """The function's bounds, checked in SQL on the stored state: a debt deeper than the
+    bound allows for this config, and clocks beyond 2^61 µs."""
+    config = parity._config(rate=MICRO, period=2**40, capacity=MICRO)
+    slack = (_PRODUCT_BOUND - config.rate) // config.period - 1 - 1  # for a count of 1
+    # Taking more than slack from a full bucket leaves a value below what the bound allows.
+    shallow, deep = slack, slack + 1
+    for debt, path in ((shallow, SINGLE), (deep, GENERAL)):
+        trace = [
+            (0, [Request(config, parity.ALICE, debt, True)], True),
+            (0, [Request(config, parity.ALICE, 1, True)], True),
+        ]
+        assert paths_taken(trace)[-1] == path
+    late = 2**61 - parity.T0_US
+    trace = [(late, [Request(config, parity.ALICE, 1)], True), (1, [Request(config, parity.ALICE, 1)], True)]
+    assert paths_taken(trace) == [SINGLE, GENERAL]
+
+
+def test_a_statement_the_session_lost_is_sent_and_prepared_again(backend):
+    """DISCARD ALL or DEALLOCATE (a pooler's reset query, say) drops the prepared statement:
+    the next decision sends it as it is, and the one after prepares it again."""
+    with frozen_clock(T0):
+        for expected in (9, 8):  # sent, then prepared
+            assert limiter.limit("ten_per_minute", "lost").value == expected
+        with connection.cursor() as cursor:
+            cursor.execute("DEALLOCATE ALL")
+        with CaptureQueriesContext(connection) as queries:
+            for expected in (7, 6, 5):
+                assert limiter.limit("ten_per_minute", "lost").value == expected
+    kinds = [q["sql"].split(" ", 1)[0] for q in queries]
+    assert kinds == ["EXECUTE", "SELECT", "PREPARE", "EXECUTE", "EXECUTE"]
+
+
 def test_a_denied_fresh_key_creates_no_row(backend):
     with frozen_clock(T0):
         both = [LimitRequest("ten_per_minute", "new", count=6), LimitRequest("ten_per_minute", "new", count=5)]
@@ -163,7 +288,7 @@ def test_inside_the_callers_transaction_the_portable_path_joins_it(backend):
         with CaptureQueriesContext(connection) as queries, transaction.atomic():
             assert limiter.limit("ten_per_minute", "tx", count=4).value == 6
             transaction.set_rollback(True)
-        assert not any(FUNCTION_NAME in q["sql"] for q in queries)
+        assert not any(on_fast_path(q["sql"]) for q in queries)
         # Rolled back with the caller's transaction: the tokens are unspent.
         assert limiter.get_value("ten_per_minute", "tx") == 10
 
@@ -172,7 +297,7 @@ def test_the_portable_path_when_the_fast_path_is_off():
     with backend_with(FAST_PATH=False):
         with frozen_clock(T0), CaptureQueriesContext(connection) as queries:
             assert limiter.limit("ten_per_minute", "off").value == 9
-        assert not any(FUNCTION_NAME in q["sql"] for q in queries)
+        assert not any(on_fast_path(q["sql"]) for q in queries)
         assert any("FOR UPDATE" in q["sql"] for q in queries)
 
 
@@ -181,7 +306,7 @@ def test_the_app_clock_keeps_the_portable_path(backend):
     with override_settings(TOKENBUCKET={**BASE_SETTINGS, "CLOCK": "app"}):
         with CaptureQueriesContext(connection) as queries:
             assert limiter.limit("ten_per_minute", "app").ok
-    assert not any(FUNCTION_NAME in q["sql"] for q in queries)
+    assert not any(on_fast_path(q["sql"]) for q in queries)
 
 
 def test_the_database_clock_decides(backend):
@@ -394,35 +519,35 @@ def test_a_connection_killed_mid_statement_fails_by_the_mode_and_writes_nothing(
         # The next call opens a new connection and decides on the fast path again.
         with CaptureQueriesContext(connection) as queries:
             assert limiter.limit("f1", "k", config={"rate": 10, "period": 60}).value == 5
-        assert any(FUNCTION_NAME in q["sql"] for q in queries)
+        assert any(on_fast_path(q["sql"]) for q in queries)
 
 
 def installed_versions() -> list[str]:
     with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT proname FROM pg_proc WHERE proname LIKE 'django\\_tokenbucket\\_%%' ORDER BY proname"
-        )
+        cursor.execute("SELECT proname FROM pg_proc WHERE proname LIKE 'django\\_tokenbucket\\_%%' ORDER BY proname")
         return [name for (name,) in cursor.fetchall()]
 
 
 def test_migrations_install_each_version_and_remove_it():
-    assert installed_versions() == ["django_tokenbucket_decide_v2", "django_tokenbucket_step_v2"]
-    assert FUNCTION_NAME == "django_tokenbucket_decide_v2"
+    current = ["django_tokenbucket_decide_v3", "django_tokenbucket_single_v3", "django_tokenbucket_step_v3"]
+    assert installed_versions() == current
+    assert FUNCTION_NAME == "django_tokenbucket_decide_v3"
     try:
-        call_command("migrate", "django_tokenbucket", "0004", verbosity=0)
-        # 0004 installs the version it was written for, not the one the code calls now
-        assert installed_versions() == ["django_tokenbucket_decide_v1", "django_tokenbucket_step_v1"]
         call_command("migrate", "django_tokenbucket", "0003", verbosity=0)
         assert installed_versions() == []
     finally:
         call_command("migrate", "django_tokenbucket", verbosity=0)
-    assert installed_versions() == ["django_tokenbucket_decide_v2", "django_tokenbucket_step_v2"]
+    assert installed_versions() == current
 
 
 def test_code_meeting_an_older_schema_takes_the_portable_path(backend, caplog):
-    """Deployed before `migrate` has run 0005: only version 1 exists, which this code
-    never calls; decisions stay right, on the portable path."""
-    call_command("migrate", "django_tokenbucket", "0004", verbosity=0)
+    """Deployed before `migrate` has installed this code's version (here, none at all; a
+    schema a version behind looks the same to it): decisions stay right, on the portable
+    path, and a prepared statement of an earlier call does not outlive its function."""
+    with frozen_clock(T0):
+        for _ in range(3):  # sent, then prepared
+            assert limiter.limit("ten_per_minute", "before").ok
+    call_command("migrate", "django_tokenbucket", "0003", verbosity=0)
     try:
         with frozen_clock(T0), caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
             with CaptureQueriesContext(connection) as queries:

@@ -35,7 +35,7 @@ from ..models import RateLimit
 from ..settings import tokenbucket_settings
 from .base import BackendError, BaseBackend, Outcome, Request, RowId, decide_all, row_id
 from .deadline import Watch, watching
-from .postgresql import FUNCTION_NAME, UNDEFINED_FUNCTION, decide_in_server, is_postgresql
+from .postgresql import FUNCTION_NAME, PREPARE_MODES, UNDEFINED_FUNCTION, decide_in_server, decide_one, is_postgresql
 
 __all__ = [
     "OPTION_DEFAULTS",
@@ -110,7 +110,13 @@ def retrying(
 
 
 #: The database backend's ``OPTIONS`` and their defaults (docs/settings.md).
-OPTION_DEFAULTS: dict[str, Any] = {"DATABASE": None, "FAST_PATH": True, "ASYNC_COMMIT": False, "TIMEOUT": None}
+OPTION_DEFAULTS: dict[str, Any] = {
+    "DATABASE": None,
+    "FAST_PATH": True,
+    "ASYNC_COMMIT": False,
+    "TIMEOUT": None,
+    "PREPARE": "auto",
+}
 
 
 def _bound_connecting(connection: Any, timeout: float) -> None:
@@ -135,6 +141,15 @@ def timeout_option(value: Any, setting: str = "TOKENBUCKET") -> float | None:
             f"{setting}['OPTIONS']['TIMEOUT'] must be None or a positive number of seconds, not {value!r}."
         )
     return float(value)
+
+
+def _valid_prepare(value: Any) -> bool:
+    # By identity: 1 == True, and 1 is not a mode.
+    return any(value is mode or (isinstance(mode, str) and value == mode) for mode in PREPARE_MODES)
+
+
+def _prepare_message(setting: str, value: Any) -> str:
+    return f"{setting}['OPTIONS']['PREPARE'] must be 'auto', True or False, not {value!r}."
 
 
 def database_now(alias: str) -> int:
@@ -179,7 +194,10 @@ class DatabaseBackend(BaseBackend):
     PostgreSQL when the limiter owns the transaction; ``ASYNC_COMMIT`` (default False),
     let those transactions commit without waiting for the WAL flush; ``TIMEOUT``
     (default None), the seconds after which a decision still waiting on the database
-    gives up its connection and takes the fail mode.
+    gives up its connection and takes the fail mode; ``PREPARE`` (default "auto"),
+    whether the fast path's statement is prepared on each connection: "auto" where the
+    connection reaches PostgreSQL itself rather than a pooler such as PgBouncer, True
+    always, False never.
     """
 
     option_names = frozenset(OPTION_DEFAULTS)
@@ -190,6 +208,9 @@ class DatabaseBackend(BaseBackend):
         self.database: str | None = self.options.get("DATABASE")
         self.fast_path = bool(self.options.get("FAST_PATH", OPTION_DEFAULTS["FAST_PATH"]))
         self.async_commit = bool(self.options.get("ASYNC_COMMIT", OPTION_DEFAULTS["ASYNC_COMMIT"]))
+        self.prepare: str | bool = self.options.get("PREPARE", OPTION_DEFAULTS["PREPARE"])
+        if not _valid_prepare(self.prepare):
+            raise ImproperlyConfigured(_prepare_message(setting, self.prepare))
         try:
             self.timeout = timeout_option(self.options.get("TIMEOUT"), setting)
         except ValueError as exc:
@@ -232,6 +253,8 @@ class DatabaseBackend(BaseBackend):
             timeout_option(options.get("TIMEOUT"), setting)
         except ValueError as exc:
             messages.append(checks.Error(str(exc), id="django_tokenbucket.E015"))
+        if not _valid_prepare(options.get("PREPARE", "auto")):
+            messages.append(checks.Error(_prepare_message(setting, options["PREPARE"]), id="django_tokenbucket.E014"))
         alias = options.get("DATABASE") or router.db_for_write(RateLimit)
         if alias not in settings.DATABASES:
             messages.append(
@@ -308,9 +331,22 @@ class DatabaseBackend(BaseBackend):
         )
 
     def _decide_in_server(self, alias: str, requests: Sequence[Request], apply: bool) -> Outcome:
-        with connections[alias].cursor() as cursor:
+        connection = connections[alias]
+        pinned_now = clock.override()
+        if len(requests) == 1:
+            outcome = decide_one(
+                connection,
+                requests[0],
+                apply=apply,
+                pinned_now=pinned_now,
+                async_commit=self.async_commit,
+                prepare=self.prepare,
+            )
+            if outcome is not None:
+                return outcome
+        with connection.cursor() as cursor:
             return decide_in_server(
-                cursor, requests, apply=apply, pinned_now=clock.override(), async_commit=self.async_commit
+                cursor, requests, apply=apply, pinned_now=pinned_now, async_commit=self.async_commit
             )
 
     def _run(self, alias: str, work: Callable[[], Outcome], *, write: bool, atomic: bool = True) -> Outcome:
