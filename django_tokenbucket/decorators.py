@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponseBase
+from django.utils.functional import LazyObject, empty
 
 from .api import LimitRequest, limiter
 from .conf import tokenbucket_settings
@@ -154,8 +155,7 @@ def ratelimit(
                 pending = _pending(request, chain, this)
                 if pending:
                     try:
-                        # The backend does blocking database work: keep it off the event loop.
-                        decided = await sync_to_async(_decide)(request, pending)
+                        decided = await _adecide(request, pending)
                     except BackendUnavailable as exc:
                         return unavailable_response(request, exc)
                     blocked = _apply(request, decided)
@@ -227,14 +227,61 @@ def _pending(request: HttpRequest, chain: tuple[_ViewLimit, ...], this: _ViewLim
     return pending
 
 
+def _plan(request: HttpRequest, limits: list[_ViewLimit]) -> list[tuple[_ViewLimit, LimitRequest]]:
+    """Return what ``request`` takes from each of ``limits`` that counts it."""
+    planned = [(limit, limit.request_for(request)) for limit in limits]
+    return [(limit, limit_request) for limit, limit_request in planned if limit_request is not None]
+
+
 def _decide(request: HttpRequest, limits: list[_ViewLimit]) -> list[tuple[_ViewLimit, Status]]:
     """Decide every limit that counts ``request``, all-or-nothing."""
-    planned = [(limit, limit.request_for(request)) for limit in limits]
-    asked = [(limit, limit_request) for limit, limit_request in planned if limit_request is not None]
+    asked = _plan(request, limits)
     if not asked:
         return []
     statuses = limiter.limit_many([limit_request for _, limit_request in asked])
     return [(limit, status) for (limit, _), status in zip(asked, statuses)]
+
+
+async def _adecide(request: HttpRequest, limits: list[_ViewLimit]) -> list[tuple[_ViewLimit, Status]]:
+    """``_decide`` for an async view: on the event loop where nothing blocks, else in a thread.
+
+    Limits on a backend without an asyncio path (the database's) are planned and decided in
+    one worker thread, as a sync view would. On an asyncio backend (Redis) the decision is
+    awaited; planning stays on the loop too unless a key or count may block: a function of
+    the project's, or the user when it is not loaded yet (the session and user lookups
+    query the database).
+    """
+    if not all(limiter.backend(limiter.resolve(limit.name, limit.config)).asyncio_native for limit in limits):
+        return await sync_to_async(_decide)(request, limits)
+    if all(_plans_on_the_loop(request, limit) for limit in limits):
+        asked = _plan(request, limits)
+    else:
+        asked = await sync_to_async(_plan)(request, limits)
+    if not asked:
+        return []
+    statuses = await limiter.alimit_many([limit_request for _, limit_request in asked])
+    return [(limit, status) for (limit, _), status in zip(asked, statuses)]
+
+
+def _plans_on_the_loop(request: HttpRequest, limit: _ViewLimit) -> bool:
+    """Whether planning ``limit`` for ``request`` does no blocking I/O."""
+    if callable(limit.count) or callable(limit.key):
+        return False  # the project's code: it may query anything
+    spec = limit.key
+    if spec in ("user", "user_or_ip"):
+        return _user_loaded(request)
+    # "ip", "username", "header:", "get:", "post:" read the request (whose body an ASGI
+    # server has read already); a dotted path is a function of the project's.
+    return not ("." in spec and ":" not in spec)
+
+
+def _user_loaded(request: HttpRequest) -> bool:
+    """Whether ``request.user`` is there without a query: set, absent, or a lazy user already loaded."""
+    user = request.__dict__.get("user")
+    if not isinstance(user, LazyObject):
+        return True  # no authentication middleware, or a user object set by the project
+    # AuthenticationMiddleware's lazy user caches what it loaded in request._cached_user.
+    return user._wrapped is not empty or hasattr(request, "_cached_user")
 
 
 def _apply(request: HttpRequest, decided: list[tuple[_ViewLimit, Status]]) -> HttpResponseBase | None:

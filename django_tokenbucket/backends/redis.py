@@ -150,6 +150,7 @@ class RedisBackend(BaseBackend):
 
     option_names = frozenset(_OPTIONS)
     unknown_option_id = "django_tokenbucket.E021"
+    asyncio_native = True
 
     def __init__(self, options: Mapping[str, Any], *, setting: str = "TOKENBUCKET") -> None:
         super().__init__(options, setting=setting)
