@@ -15,9 +15,11 @@ requests per view over keep-alive connections. The views, all decided on the sam
 
 A sync view under ASGI runs in asgiref's thread anyway; an async view did too as soon as
 it was decorated, and no longer does. Phases, interleaved in rounds that rotate the views'
-order: sequential requests (one connection: latency p50/p99), then ``--concurrency``
-connections at once (requests/s). OVERHEAD is a view's p50 minus its baseline's p50, in
-the same rounds. The limit allows every request (10^6 per second, one bucket).
+order: sequential requests (one connection: latency p50/p99), then ``--connections``
+connections at once (requests/s, and the server process's CPU time per request, read
+from /proc: on a shared machine the steadier figure). OVERHEAD is a view's p50 minus its
+baseline's p50, +CPU its CPU per request minus the baseline's, in the same rounds. The
+limit allows every request (10^6 per second, one bucket).
 
     python benchmarks/asgi_async.py                 # about a minute
     python benchmarks/asgi_async.py --quick         # about 15 s
@@ -177,7 +179,14 @@ async def _sequential(port: int, path: str, count: int) -> list[float]:
     return times
 
 
-async def _concurrent(port: int, path: str, count: int, connections: int) -> float:
+def _cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system, every thread) the process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _concurrent(port: int, path: str, count: int, connections: int, pid: int) -> tuple[float, float]:
+    """Return requests/s and the server's CPU seconds per request."""
     remaining = count
 
     async def worker() -> None:
@@ -192,9 +201,11 @@ async def _concurrent(port: int, path: str, count: int, connections: int) -> flo
         finally:
             writer.close()
 
+    cpu = _cpu_seconds(pid)
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(connections)))
-    return count / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    return count / elapsed, (_cpu_seconds(pid) - cpu) / count
 
 
 async def _sanity(port: int) -> None:
@@ -206,20 +217,25 @@ async def _sanity(port: int) -> None:
             raise RuntimeError(f"sanity: {path} answered {codes}, expected [200, 200, 429]")
 
 
-async def _drive(port: int, rounds: int, sequential: int, concurrent: int, connections: int) -> dict[str, Any]:
+async def _drive(
+    port: int, pid: int, rounds: int, sequential: int, concurrent: int, connections: int
+) -> dict[str, Any]:
     await _sanity(port)
     paths = list(VIEWS)
     for path in paths:  # warm-up: connections, the script, the asyncio client
         await _sequential(port, path, 50)
     latencies: dict[str, list[float]] = {path: [] for path in paths}
     rates: dict[str, list[float]] = {path: [] for path in paths}
+    cpu: dict[str, list[float]] = {path: [] for path in paths}
     for round_ in range(rounds):
         order = paths[round_ % len(paths) :] + paths[: round_ % len(paths)]
         for path in order:
             latencies[path] += await _sequential(port, path, sequential)
         for path in order:
-            rates[path].append(await _concurrent(port, path, concurrent, connections))
-    return {"latencies": latencies, "rates": rates}
+            rate, cpu_per_request = await _concurrent(port, path, concurrent, connections, pid)
+            rates[path].append(rate)
+            cpu[path].append(cpu_per_request)
+    return {"latencies": latencies, "rates": rates, "cpu": cpu}
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -254,13 +270,16 @@ def main() -> None:
     parser.add_argument("--concurrent", type=int, default=1000, help="concurrent requests per view and round")
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--json", type=Path, help="write the figures there")
-    parser.add_argument("--client", type=int, help=argparse.SUPPRESS)  # the load client's port
+    parser.add_argument("--client", type=int, help=argparse.SUPPRESS)  # the load client's: the server's port
+    parser.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)  # and its process
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.sequential, args.concurrent = 2, 200, 400
 
     if args.client:
-        figures = asyncio.run(_drive(args.client, args.rounds, args.sequential, args.concurrent, args.connections))
+        figures = asyncio.run(
+            _drive(args.client, args.server_pid, args.rounds, args.sequential, args.concurrent, args.connections)
+        )
         json.dump(figures, sys.stdout)
         return
 
@@ -287,7 +306,8 @@ def main() -> None:
                     raise RuntimeError("uvicorn did not start") from None
                 time.sleep(0.1)
         client = subprocess.run(
-            [sys.executable, __file__, "--client", str(port), "--rounds", str(args.rounds),
+            [sys.executable, __file__, "--client", str(port), "--server-pid", str(server.pid),
+             "--rounds", str(args.rounds),
              "--sequential", str(args.sequential), "--concurrent", str(args.concurrent),
              "--connections", str(args.connections)],
             check=True, capture_output=True, text=True, cwd=ROOT,
@@ -304,12 +324,14 @@ def main() -> None:
 
 def _report(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     p50 = {path: statistics.median(times) * 1e3 for path, times in figures["latencies"].items()}
+    cpu = {path: statistics.median(values) * 1e6 for path, values in figures["cpu"].items()}
     rows = []
     print(
         f"uvicorn (1 worker, asyncio loop, h11), Redis {REDIS_HOST}:{REDIS_PORT}; {args.rounds} rounds of "
-        f"{args.sequential} sequential and {args.concurrent} concurrent requests ({args.connections} connections) per view"
+        f"{args.sequential} sequential and {args.concurrent} concurrent requests "
+        f"({args.connections} connections) per view"
     )
-    print(f"{'view':32} {'p50 ms':>8} {'p99 ms':>8} {'OVERHEAD ms':>12} {'req/s':>8}")
+    print(f"{'view':32} {'p50 ms':>8} {'p99 ms':>8} {'OVERHEAD ms':>12} {'req/s':>8} {'CPU µs/req':>11} {'+CPU µs':>8}")
     for path, (label, baseline) in VIEWS.items():
         times = figures["latencies"][path]
         row = {
@@ -318,10 +340,16 @@ def _report(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             "p99_ms": round(_percentile(times, 0.99) * 1e3, 3),
             "overhead_ms": None if baseline is None else round(p50[path] - p50[baseline], 3),
             "requests_per_s": round(statistics.median(figures["rates"][path])),
+            "server_cpu_us_per_request": round(cpu[path]),
+            "extra_cpu_us": None if baseline is None else round(cpu[path] - cpu[baseline]),
         }
         rows.append(row)
         overhead = "" if row["overhead_ms"] is None else f"{row['overhead_ms']:.3f}"
-        print(f"{label:32} {row['p50_ms']:8.3f} {row['p99_ms']:8.3f} {overhead:>12} {row['requests_per_s']:8}")
+        extra = "" if row["extra_cpu_us"] is None else str(row["extra_cpu_us"])
+        print(
+            f"{label:32} {row['p50_ms']:8.3f} {row['p99_ms']:8.3f} {overhead:>12} {row['requests_per_s']:8} "
+            f"{row['server_cpu_us_per_request']:11} {extra:>8}"
+        )
     return {"rounds": args.rounds, "sequential": args.sequential, "concurrent": args.concurrent, "rows": rows}
 
 
