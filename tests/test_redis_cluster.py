@@ -168,35 +168,6 @@ def test_h5_all_or_nothing_on_the_cluster(cluster, redis_backend):
         assert limiter.get_value("h5-loose", "k", config=loose) == 990
 
 
-def test_a_failover_keeps_the_state_and_surfaces_no_error(cluster, redis_backend):
-    """A replica takes over the slot (CLUSTER FAILOVER): MOVED and NOSCRIPT are both handled."""
-    client = redis_backend.client()
-    config = limiter.resolve("login")
-    key = redis_backend.key(config, encode_key("failover"))
-    slot = client.keyslot(key)
-    with frozen_clock(T0):
-        assert limiter.limit("login", "failover", count=2).value == 3
-        old_master = cluster.node_for_slot(slot)
-        replica = cluster.node_for_slot(slot, role="replica")
-        replica_client = replica.client()
-        deadline = time.monotonic() + 10
-        while replica_client.info("replication")["master_repl_offset"] < old_master.client().info("replication")[
-            "master_repl_offset"
-        ]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        replica_client.execute_command("CLUSTER FAILOVER")
-        while replica_client.info("replication")["role"] != "master":
-            assert time.monotonic() < deadline, "the failover did not happen"
-            time.sleep(0.05)
-        cluster.wait_until_ok()
-        reloads = redis_backend.script_reloads
-        assert limiter.limit("login", "failover").value == 2  # the replicated state, decided on the new master
-        assert cluster.node_for_slot(slot, via=replica).port == replica.port
-        assert redis_backend.script_reloads == reloads + 1  # the new master had never run the script
-        replica_client.close()
-
-
 def test_async_decisions_run_on_the_asyncio_cluster_client(cluster, redis_backend):
     """The async API on the cluster: redis-py's asyncio RedisCluster, the same keys, slots and results."""
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
@@ -224,3 +195,32 @@ def test_async_decisions_run_on_the_asyncio_cluster_client(cluster, redis_backen
     login = limiter.resolve("login")
     nodes = {redis_backend.client().get_node_from_key(redis_backend.key(login, encode_key(u))).port for u in users}
     assert len(nodes) > 1  # the keys were spread over several masters
+
+
+def test_a_failover_keeps_the_state_and_surfaces_no_error(cluster, redis_backend):
+    """A replica takes over the slot (CLUSTER FAILOVER): MOVED and NOSCRIPT are both handled."""
+    client = redis_backend.client()
+    config = limiter.resolve("login")
+    key = redis_backend.key(config, encode_key("failover"))
+    slot = client.keyslot(key)
+    with frozen_clock(T0):
+        assert limiter.limit("login", "failover", count=2).value == 3
+        old_master = cluster.node_for_slot(slot)
+        replica = cluster.node_for_slot(slot, role="replica")
+        replica_client = replica.client()
+        deadline = time.monotonic() + 10
+        while replica_client.info("replication")["master_repl_offset"] < old_master.client().info("replication")[
+            "master_repl_offset"
+        ]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        replica_client.execute_command("CLUSTER FAILOVER")
+        while replica_client.info("replication")["role"] != "master":
+            assert time.monotonic() < deadline, "the failover did not happen"
+            time.sleep(0.05)
+        cluster.wait_until_ok()
+        reloads = redis_backend.script_reloads
+        assert limiter.limit("login", "failover").value == 2  # the replicated state, decided on the new master
+        assert cluster.node_for_slot(slot, via=replica).port == replica.port
+        assert redis_backend.script_reloads == reloads + 1  # the new master had never run the script
+        replica_client.close()
