@@ -5,7 +5,7 @@ from __future__ import annotations
 from decimal import ROUND_FLOOR, Decimal
 
 from .algorithms import MICRO
-from .config import LimitConfig
+from .limits import LimitConfig
 
 __all__ = ["describe_rate", "format_duration", "format_tokens"]
 
