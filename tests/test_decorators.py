@@ -387,6 +387,37 @@ async def test_async_view_with_a_count_function(async_client, async_backend):
     _assert_no_thread_on_redis(async_backend)
 
 
+async def test_async_key_and_count_functions_are_awaited(async_client, async_backend):
+    user_limit = ("tests.views.async_awaited_key[3/m]", {"rate": "3/m"})
+    ip_limit = ("tests.views.async_awaited_key", {"rate": "10/m"})
+    try:
+        alice = await get_user_model().objects.acreate(username="alice")
+        # Anonymous: the key function exempts the request from the user limit.
+        assert await _codes(async_client, "/async/awaited/?cost=3", 1) == [200]
+        await async_client.aforce_login(alice)
+        assert await _codes(async_client, "/async/awaited/?cost=2", 2) == [200, 429]
+        assert await limiter.aget_value(user_limit[0], ("user", alice.pk), user_limit[1]) == 1
+        assert await limiter.aget_value(ip_limit[0], ("ip", "127.0.0.1"), ip_limit[1]) == 8
+    finally:
+        await _close_thread_connections()
+    _assert_no_thread_on_redis(async_backend)
+
+
+def test_an_async_key_or_count_on_a_sync_view_is_an_error_at_decoration():
+    async def key(request):
+        return "k"
+
+    async def cost(request):
+        return 1
+
+    for options in ({"key": key}, {"count": cost}):
+        with pytest.raises(ImproperlyConfigured, match=r"@ratelimit on .*view: an async def key= or count= can only"):
+
+            @ratelimit(rate="1/m", **options)
+            def view(request):
+                return None
+
+
 def test_what_an_async_view_plans_on_the_event_loop(rf):
     from django.contrib.auth.models import AnonymousUser
     from django.utils.functional import SimpleLazyObject
@@ -404,6 +435,11 @@ def test_what_an_async_view_plans_on_the_event_loop(rf):
     # The project's functions, and a user that is not loaded yet, may query the database.
     assert not _plans_on_the_loop(request, limit("tests.views._header_or_none"))
     assert not _plans_on_the_loop(request, limit(lambda request: "k"))
+
+    async def awaited(request):
+        return "k"
+
+    assert _plans_on_the_loop(request, limit(awaited)) and _plans_on_the_loop(request, limit("ip", count=awaited))
     assert not _plans_on_the_loop(request, limit("ip", count=lambda request: 1))
     assert not _plans_on_the_loop(request, limit("user"))
     assert not _plans_on_the_loop(request, limit("user_or_ip"))

@@ -19,6 +19,7 @@ urlpatterns = [
     path("async/user/", views.async_by_user),
     path("async/stacked/", views.async_stacked),
     path("async/weighted/", views.async_weighted),
+    path("async/awaited/", views.async_awaited_key),
     path("shadowed/", views.shadowed),
     path("raises/", views.raises),
     path("class/", views.ClassView.as_view()),
