@@ -10,6 +10,7 @@ client per event loop. Servers are redis-server processes of the test's own.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from contextlib import contextmanager
 
@@ -169,14 +170,18 @@ async def test_a_server_that_stops_answering_is_an_ambiguous_failure_then_recove
             assert (await limiter.alimit("login", "slow")).ok
 
 
-async def test_a_connection_factory_of_ones_own_takes_the_thread_path():
+async def test_a_connection_factory_of_ones_own_takes_the_thread_path(caplog):
     with RedisServer() as server:
         cache = plain_cache(server.url, CONNECTION_FACTORY="tests.test_redis_asyncio.OwnFactory")
-        with limiter_on(cache) as backend, frozen_clock(T0):
+        with limiter_on(cache) as backend, frozen_clock(T0), caplog.at_level(logging.INFO, "django_tokenbucket"):
             assert (await limiter.alimit("login", "own", count=2)).value == 3
-            assert backend.async_calls == {"thread": 1}
+            assert (await limiter.alimit("login", "own")).value == 2
+            assert backend.async_calls == {"thread": 2}
             assert "OwnFactory" in backend.asyncio_clients.thread_reason
             assert server.client().dbsize() == 1
+        # Said once, not per call.
+        [record] = [r for r in caplog.records if "worker thread" in r.getMessage()]
+        assert "OwnFactory" in record.getMessage() and "CACHES['aio']" in record.getMessage()
 
 
 async def test_an_option_the_asyncio_client_refuses_names_the_cache():

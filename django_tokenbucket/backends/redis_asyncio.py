@@ -32,6 +32,7 @@ with the loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -65,6 +66,8 @@ from redis.connection import to_bool
 from . import is_django_redis
 
 __all__ = ["AsyncioClients", "missing_cache_error", "not_django_redis_error"]
+
+logger = logging.getLogger("django_tokenbucket")
 
 #: The blocking classes django-redis' settings may name, and their asyncio counterparts.
 _ASYNCIO_CLASSES: dict[Any, Any] = {
@@ -143,6 +146,12 @@ class AsyncioClients:
             client, close = self._build()
         except _ThreadPath as reason:
             self.thread_reason, self._thread_generation = str(reason), generation
+            logger.info(
+                "the Redis rate-limit backend (%s) runs its async calls in a worker thread: %s has no "
+                "asyncio counterpart",
+                self.setting,
+                reason,
+            )
             return None
         self.thread_reason, self._thread_generation = None, None
         fresh = _LoopClient(generation, client, close)
