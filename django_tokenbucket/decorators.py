@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponseBase
+from django.utils.functional import LazyObject, empty
 
 from .api import LimitRequest, limiter
 from .exceptions import BackendUnavailable
@@ -67,7 +68,7 @@ def ratelimit(
     kind: str | None = None,
     shadow: bool = False,
     backend: str | None = None,
-    count: float | Callable[[HttpRequest], float] = 1,
+    count: float | Callable[[HttpRequest], float] | Callable[[HttpRequest], Awaitable[float]] = 1,
     method: str | Iterable[str] | None = ALL,
     block: bool = True,
 ) -> Callable[[View], View]:
@@ -80,7 +81,8 @@ def ratelimit(
     says whose bucket a request uses: ``"ip"`` (default), ``"user"``,
     ``"user_or_ip"``, ``"header:<name>"``, ``"get:<param>"``, ``"post:<field>"``, a
     callable ``(request) -> key`` or a dotted path to one (returning None exempts the
-    request). ``count`` (or a callable of the request) weighs a request; ``method``
+    request; on an ``async def`` view the callable may be an ``async def`` too, and is
+    awaited). ``count`` (or a callable of the request) weighs a request; ``method``
     restricts which HTTP methods count (``ALL``, ``UNSAFE``, a name or a list).
 
     A denied request gets 429 with ``Retry-After`` when ``block`` is true; otherwise the
@@ -138,6 +140,11 @@ def ratelimit(
         # This decorator and every @ratelimit below it: the first of them to see a request
         # decides them all at once, so a request refused by one spends nothing on the others.
         chain = (this, *below)
+        if not iscoroutinefunction(view) and any(limit.awaits() for limit in chain):
+            raise ImproperlyConfigured(
+                f"@ratelimit on {view.__module__}.{view.__qualname__}: an async def key= or count= can only "
+                f"be awaited on an async def view; give this sync view a plain function"
+            )
         if below:
             _stacks[f"{view.__module__}.{view.__qualname__}"] = tuple((limit.name, limit.config) for limit in chain)
 
@@ -148,8 +155,7 @@ def ratelimit(
                 pending = _pending(request, chain, this)
                 if pending:
                     try:
-                        # The backend does blocking database work: keep it off the event loop.
-                        decided = await sync_to_async(_decide)(request, pending)
+                        decided = await _adecide(request, pending)
                     except BackendUnavailable as exc:
                         return unavailable_response(request, exc)
                     blocked = _apply(request, decided)
@@ -190,21 +196,47 @@ class _ViewLimit:
     key: KeySpec
     config: dict[str, Any] | None
     methods: frozenset[str] | None
-    count: float | Callable[[HttpRequest], float]
+    count: float | Callable[[HttpRequest], float] | Callable[[HttpRequest], Awaitable[float]]
     block: bool
 
     def request_for(self, request: HttpRequest) -> LimitRequest | None:
         """Return what ``request`` takes from this limit, or None when it does not count."""
-        if self.methods is None:
-            if request.method == "OPTIONS" and not tokenbucket_settings.COUNT_OPTIONS:
-                return None  # a CORS preflight is the browser's, not the user's, request
-        elif request.method not in self.methods:
+        if not self.counts(request):
             return None
         ident = request_key(request, self.key)
         if ident is None:
             return None
-        weight = self.count(request) if callable(self.count) else self.count
+        # Never an async def here: the decorator refuses one on a sync view, and plans it
+        # with arequest_for on an async one.
+        count: Any = self.count
+        weight = count(request) if callable(count) else count
         return LimitRequest(self.name, ident, weight, config=self.config)
+
+    async def arequest_for(self, request: HttpRequest) -> LimitRequest | None:
+        """``request_for`` on an event loop: a key or count that is an ``async def`` is awaited."""
+        if not self.counts(request):
+            return None
+        key: Any = self.key
+        ident = await key(request) if iscoroutinefunction(key) else request_key(request, key)
+        if ident is None:
+            return None
+        count: Any = self.count
+        if iscoroutinefunction(count):
+            weight = await count(request)
+        else:
+            weight = count(request) if callable(count) else count
+        return LimitRequest(self.name, ident, weight, config=self.config)
+
+    def counts(self, request: HttpRequest) -> bool:
+        """Whether this limit counts requests of ``request``'s method."""
+        if self.methods is None:
+            # A CORS preflight is the browser's, not the user's, request.
+            return request.method != "OPTIONS" or bool(tokenbucket_settings.COUNT_OPTIONS)
+        return request.method in self.methods
+
+    def awaits(self) -> bool:
+        """Whether its key or count is an ``async def`` (which only an async view can await)."""
+        return iscoroutinefunction(self.key) or iscoroutinefunction(self.count)
 
 
 def _chain_of(view: Any) -> tuple[_ViewLimit, ...]:
@@ -221,14 +253,75 @@ def _pending(request: HttpRequest, chain: tuple[_ViewLimit, ...], this: _ViewLim
     return pending
 
 
+def _plan(request: HttpRequest, limits: list[_ViewLimit]) -> list[tuple[_ViewLimit, LimitRequest]]:
+    """Return what ``request`` takes from each of ``limits`` that counts it."""
+    planned = [(limit, limit.request_for(request)) for limit in limits]
+    return [(limit, limit_request) for limit, limit_request in planned if limit_request is not None]
+
+
 def _decide(request: HttpRequest, limits: list[_ViewLimit]) -> list[tuple[_ViewLimit, Status]]:
     """Decide every limit that counts ``request``, all-or-nothing."""
-    planned = [(limit, limit.request_for(request)) for limit in limits]
-    asked = [(limit, limit_request) for limit, limit_request in planned if limit_request is not None]
+    asked = _plan(request, limits)
     if not asked:
         return []
     statuses = limiter.limit_many([limit_request for _, limit_request in asked])
     return [(limit, status) for (limit, _), status in zip(asked, statuses)]
+
+
+async def _adecide(request: HttpRequest, limits: list[_ViewLimit]) -> list[tuple[_ViewLimit, Status]]:
+    """``_decide`` for an async view: on the event loop where nothing blocks, else in a thread.
+
+    Limits on a backend without an asyncio path (the database's) are planned and decided in
+    one worker thread, as a sync view would (but for keys and counts that are ``async
+    def``, awaited first). On an asyncio backend (Redis) the decision is awaited; planning
+    stays on the loop too unless a key or count may block: a plain function of the
+    project's, or the user when it is not loaded yet (the session and user lookups query
+    the database).
+    """
+    native = all(limiter.backend(limiter.resolve(limit.name, limit.config)).asyncio_native for limit in limits)
+    if not native and not any(limit.awaits() for limit in limits):
+        return await sync_to_async(_decide)(request, limits)
+    asked = await _aplan(request, limits)
+    if not asked:
+        return []
+    statuses = await limiter.alimit_many([limit_request for _, limit_request in asked])
+    return [(limit, status) for (limit, _), status in zip(asked, statuses)]
+
+
+async def _aplan(request: HttpRequest, limits: list[_ViewLimit]) -> list[tuple[_ViewLimit, LimitRequest]]:
+    """``_plan`` on the event loop, but for the limits whose planning may block: one thread for those."""
+    on_loop = [_plans_on_the_loop(request, limit) for limit in limits]
+    blocking = [limit for limit, here in zip(limits, on_loop) if not here]
+    planned = dict(await sync_to_async(_plan)(request, blocking)) if blocking else {}
+    asked = []
+    for limit, here in zip(limits, on_loop):
+        limit_request = await limit.arequest_for(request) if here else planned.get(limit)
+        if limit_request is not None:
+            asked.append((limit, limit_request))
+    return asked
+
+
+def _plans_on_the_loop(request: HttpRequest, limit: _ViewLimit) -> bool:
+    """Whether planning ``limit`` for ``request`` does no blocking I/O."""
+    if callable(limit.count) and not iscoroutinefunction(limit.count):
+        return False  # the project's code: it may query anything
+    spec = limit.key
+    if callable(spec):
+        return iscoroutinefunction(spec)  # an async def is awaited; a plain function may block
+    if spec in ("user", "user_or_ip"):
+        return _user_loaded(request)
+    # "ip", "username", "header:", "get:", "post:" read the request (whose body an ASGI
+    # server has read already); a dotted path is a function of the project's.
+    return not ("." in spec and ":" not in spec)
+
+
+def _user_loaded(request: HttpRequest) -> bool:
+    """Whether ``request.user`` is there without a query: set, absent, or a lazy user already loaded."""
+    user = request.__dict__.get("user")
+    if not isinstance(user, LazyObject):
+        return True  # no authentication middleware, or a user object set by the project
+    # AuthenticationMiddleware's lazy user caches what it loaded in request._cached_user.
+    return user._wrapped is not empty or hasattr(request, "_cached_user")
 
 
 def _apply(request: HttpRequest, decided: list[tuple[_ViewLimit, Status]]) -> HttpResponseBase | None:

@@ -241,3 +241,64 @@ class LocalCluster:
             server.stop()
         self.servers = []
         self._tmp.cleanup()
+
+
+class LocalSentinel:
+    """A redis-sentinel (``redis-server --sentinel``) on a loopback port, watching ``master`` as ``service``."""
+
+    def __init__(self, master: RedisServer, service: str = "tbmaster") -> None:
+        self.master = master
+        self.service = service
+        self.port = free_port()
+        self._tmp = tempfile.TemporaryDirectory(prefix="tb-sentinel-")
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    def start(self) -> LocalSentinel:
+        config = Path(self._tmp.name) / "sentinel.conf"  # the sentinel rewrites it: a file of its own
+        config.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self._tmp.name}\n"
+            f"logfile {self._tmp.name}/sentinel.log\n"
+            f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n"
+        )
+        self.process = subprocess.Popen(
+            ["redis-server", str(config), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + 10
+        try:
+            while True:  # up, and it knows the master
+                try:
+                    if client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service):
+                        return self
+                except redis.RedisError:
+                    pass
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-sentinel on port {self.port} did not start")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self.process.stderr:
+            self.process.stderr.close()
+        self.process = None
+
+    def __enter__(self) -> LocalSentinel:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+        self._tmp.cleanup()

@@ -14,6 +14,7 @@ from django.test import override_settings
 
 from django_tokenbucket import LimitRequest, RateLimited
 from django_tokenbucket import limiter as sync_limiter
+from django_tokenbucket.backends import get_backend
 from django_tokenbucket.testing import frozen_clock
 
 from .settings import DB as _TEST_DB
@@ -53,13 +54,18 @@ def api(request, monkeypatch):
 
 
 @pytest.fixture(params=sorted(BACKENDS))
-def backend(request, transactional_db):
+def backend(request, transactional_db, api):
     overrides = dict(BACKENDS[request.param])
     if request.param == "redis":
         # The cache alias to use, and a clean slate of this run's keys (see conftest.py).
         overrides.update(request.getfixturevalue("redis_store"))
     with override_settings(TOKENBUCKET={**BASE_SETTINGS, **overrides}):
         yield request.param
+        if request.param == "redis" and api == "async":
+            # The async twins reached Redis on its asyncio client only: never through a
+            # thread, and the blocking client was never even made.
+            used = get_backend()
+            assert used.async_calls["thread"] == 0 and used._connection is None, used.async_calls
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.test import override_settings
 
+from django_tokenbucket import limiter
+from django_tokenbucket.backends import get_backend
 from django_tokenbucket.decorators import declared_limits, ratelimit
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
@@ -298,3 +300,151 @@ def test_stacked_decorators_naming_one_limit_share_it():
 
     # Both take from "login" (5/m): each request spends two of its tokens.
     assert [twice(rf.get("/")).content for _ in range(3)] == [b"False", b"False", b"True"]
+
+
+# -- async views on each backend ---------------------------------------------------------
+
+
+@pytest.fixture(params=["database", "redis"])
+def async_backend(request):
+    """The inline limits of the async views on each backend; yields the backend's name."""
+    overrides = {"BACKEND": "django_tokenbucket.backends.database.DatabaseBackend"}
+    if request.param == "redis":
+        overrides = request.getfixturevalue("redis_store")
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, **overrides}):
+        yield request.param
+
+
+async def _codes(async_client, path: str, n: int, **extra) -> list[int]:
+    return [(await async_client.get(path, **extra)).status_code for _ in range(n)]
+
+
+def _assert_no_thread_on_redis(name: str) -> None:
+    if name == "redis":
+        # Every decision was awaited on the asyncio client: none ran in a worker thread.
+        calls = get_backend().async_calls
+        assert calls["asyncio"] > 0 and calls["thread"] == 0, calls
+
+
+async def _close_thread_connections() -> None:
+    # Planning (user lookups) and the database backend ran in asgiref's worker thread.
+    await sync_to_async(connections.close_all)()
+
+
+async def test_async_view_on_each_backend(async_client, async_backend):
+    try:
+        assert await _codes(async_client, "/async/", 3) == [200, 200, 429]
+        assert await limiter.aget_value("tests.views.async_view", ("ip", "127.0.0.1"), {"rate": "2/m"}) == 0
+    finally:
+        await _close_thread_connections()
+    _assert_no_thread_on_redis(async_backend)
+
+
+async def test_async_view_keyed_by_user_loads_the_user_in_a_thread(async_client, async_backend):
+    name, config = "tests.views.async_by_user", {"rate": "2/m"}
+    try:
+        alice = await get_user_model().objects.acreate(username="alice")
+        bob = await get_user_model().objects.acreate(username="bob")
+        await async_client.aforce_login(alice)
+        assert await _codes(async_client, "/async/user/", 3) == [200, 200, 429]
+        await async_client.aforce_login(bob)
+        assert await _codes(async_client, "/async/user/", 1) == [200]
+        assert await limiter.aget_value(name, ("user", alice.pk), config) == 0
+        assert await limiter.aget_value(name, ("user", bob.pk), config) == 1
+        # Anonymous requests are told apart by address, as on a sync view.
+        await async_client.alogout()
+        assert await _codes(async_client, "/async/user/", 1) == [200]
+        assert await limiter.aget_value(name, ("ip", "127.0.0.1"), config) == 1
+    finally:
+        await _close_thread_connections()
+    _assert_no_thread_on_redis(async_backend)
+
+
+async def test_async_stacked_limits_are_all_or_nothing(async_client, async_backend):
+    ip_limit = ("tests.views.async_stacked", {"rate": "3/m"})
+    key_limit = ("tests.views.async_stacked[1/m]", {"rate": "1/m"})
+    try:
+        assert await _codes(async_client, "/async/stacked/", 1, headers={"X-Key": "k"}) == [200]
+        # Refused by the X-Key limit: the address limit spends nothing.
+        assert await _codes(async_client, "/async/stacked/", 2, headers={"X-Key": "k"}) == [429, 429]
+        assert await limiter.aget_value(ip_limit[0], ("ip", "127.0.0.1"), ip_limit[1]) == 2
+        assert await limiter.aget_value(key_limit[0], "k", key_limit[1]) == 0
+        # A request the key function exempts takes from the address limit only.
+        assert await _codes(async_client, "/async/stacked/", 3) == [200, 200, 429]
+    finally:
+        await _close_thread_connections()
+    _assert_no_thread_on_redis(async_backend)
+
+
+async def test_async_view_with_a_count_function(async_client, async_backend):
+    try:
+        response = await async_client.get("/async/weighted/?cost=4", headers={"X-Key": "w"})
+        assert response.status_code == 200 and response.json()["value"] == 1
+        assert await _codes(async_client, "/async/weighted/?cost=2", 1, headers={"X-Key": "w"}) == [429]
+        assert await _codes(async_client, "/async/weighted/?cost=1", 1, headers={"X-Key": "w"}) == [200]
+    finally:
+        await _close_thread_connections()
+    _assert_no_thread_on_redis(async_backend)
+
+
+async def test_async_key_and_count_functions_are_awaited(async_client, async_backend):
+    user_limit = ("tests.views.async_awaited_key[3/m]", {"rate": "3/m"})
+    ip_limit = ("tests.views.async_awaited_key", {"rate": "10/m"})
+    try:
+        alice = await get_user_model().objects.acreate(username="alice")
+        # Anonymous: the key function exempts the request from the user limit.
+        assert await _codes(async_client, "/async/awaited/?cost=3", 1) == [200]
+        await async_client.aforce_login(alice)
+        assert await _codes(async_client, "/async/awaited/?cost=2", 2) == [200, 429]
+        assert await limiter.aget_value(user_limit[0], ("user", alice.pk), user_limit[1]) == 1
+        assert await limiter.aget_value(ip_limit[0], ("ip", "127.0.0.1"), ip_limit[1]) == 8
+    finally:
+        await _close_thread_connections()
+    _assert_no_thread_on_redis(async_backend)
+
+
+def test_an_async_key_or_count_on_a_sync_view_is_an_error_at_decoration():
+    async def key(request):
+        return "k"
+
+    async def cost(request):
+        return 1
+
+    for options in ({"key": key}, {"count": cost}):
+        with pytest.raises(ImproperlyConfigured, match=r"@ratelimit on .*view: an async def key= or count= can only"):
+
+            @ratelimit(rate="1/m", **options)
+            def view(request):
+                return None
+
+
+def test_what_an_async_view_plans_on_the_event_loop(rf):
+    from django.contrib.auth.models import AnonymousUser
+    from django.utils.functional import SimpleLazyObject
+
+    from django_tokenbucket.decorators import _plans_on_the_loop, _ViewLimit
+
+    def limit(key, count=1):
+        return _ViewLimit("x", key, {"rate": "1/m"}, None, count, True)
+
+    request = rf.get("/")
+    loads = []
+    request.user = SimpleLazyObject(lambda: loads.append(1) or AnonymousUser())
+    for key in ("ip", "header:X-Key", "get:q", "post:name", "username"):
+        assert _plans_on_the_loop(request, limit(key))
+    # The project's functions, and a user that is not loaded yet, may query the database.
+    assert not _plans_on_the_loop(request, limit("tests.views._header_or_none"))
+    assert not _plans_on_the_loop(request, limit(lambda request: "k"))
+
+    async def awaited(request):
+        return "k"
+
+    assert _plans_on_the_loop(request, limit(awaited)) and _plans_on_the_loop(request, limit("ip", count=awaited))
+    assert not _plans_on_the_loop(request, limit("ip", count=lambda request: 1))
+    assert not _plans_on_the_loop(request, limit("user"))
+    assert not _plans_on_the_loop(request, limit("user_or_ip"))
+    assert loads == []  # asking did not load it
+    request.user.is_authenticated
+    assert _plans_on_the_loop(request, limit("user")) and _plans_on_the_loop(request, limit("user_or_ip"))
+    without_auth = rf.get("/")  # no authentication middleware: no user to load
+    assert _plans_on_the_loop(without_auth, limit("user_or_ip"))

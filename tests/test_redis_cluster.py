@@ -9,6 +9,7 @@ script, a failover, and exactness with several processes.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from functools import partial
 
@@ -165,6 +166,35 @@ def test_h5_all_or_nothing_on_the_cluster(cluster, redis_backend):
         assert figures["surfaced_errors"] == 0, figures["error_samples"]
         assert figures["admitted"] == 10
         assert limiter.get_value("h5-loose", "k", config=loose) == 990
+
+
+def test_async_decisions_run_on_the_asyncio_cluster_client(cluster, redis_backend):
+    """The async API on the cluster: redis-py's asyncio RedisCluster, the same keys, slots and results."""
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+    users = [f"async-user-{i}" for i in range(12)]
+
+    async def decide() -> object:
+        for user in users:
+            assert (await limiter.alimit_many([("login", user, 2), ("burst", user, 3)])).ok
+        assert not (await limiter.alimit_many([("login", users[0], 4), ("burst", users[0])])).ok
+        with pytest.raises(ImproperlyConfigured, match="share one key"):
+            await limiter.alimit_many([("login", "user-1"), ("burst", None)])
+        await limiter.areset("burst", users[1])
+        from django_tokenbucket.backends import redis as redis_module
+
+        return await redis_backend.asyncio_clients.client(redis_module._caches_generation)
+
+    with frozen_clock(T0):
+        client = asyncio.run(decide())
+        assert isinstance(client, AsyncRedisCluster)
+        # What the async path wrote, the sync path reads: the same keys on the same nodes.
+        assert [limiter.get_value("login", user) for user in users] == [3] * len(users)
+        assert limiter.get_value("burst", users[0]) == 17 and limiter.get_value("burst", users[1]) == 20
+    assert redis_backend.async_calls["thread"] == 0 and redis_backend.async_calls["asyncio"] == len(users) + 3
+    login = limiter.resolve("login")
+    nodes = {redis_backend.client().get_node_from_key(redis_backend.key(login, encode_key(u))).port for u in users}
+    assert len(nodes) > 1  # the keys were spread over several masters
 
 
 def test_a_failover_keeps_the_state_and_surfaces_no_error(cluster, redis_backend):

@@ -68,6 +68,41 @@ async def async_view(request):
     return JsonResponse(_body(request))
 
 
+@ratelimit(key="user_or_ip", rate="2/m")
+async def async_by_user(request):
+    return JsonResponse(_body(request))
+
+
+def _header_or_none(request: HttpRequest) -> str | None:
+    return request.headers.get("X-Key")
+
+
+@ratelimit(key=_header_or_none, rate="1/m")
+@ratelimit(key="ip", rate="3/m")
+async def async_stacked(request):
+    return JsonResponse(_body(request))
+
+
+@ratelimit(key="header:X-Key", rate="5/m", count=lambda request: int(request.GET.get("cost", "1")))
+async def async_weighted(request):
+    return JsonResponse(_body(request))
+
+
+async def _signed_in_user(request: HttpRequest) -> object:
+    user = await request.auser()  # the async session and user lookups
+    return ("user", user.pk) if user.is_authenticated else None
+
+
+async def _async_cost(request: HttpRequest) -> int:
+    return int(request.GET.get("cost", "1"))
+
+
+@ratelimit(key=_signed_in_user, rate="3/m", count=_async_cost)
+@ratelimit(key="ip", rate="10/m")
+async def async_awaited_key(request):
+    return JsonResponse(_body(request))
+
+
 @ratelimit(key="ip", rate="1/m", shadow=True)
 def shadowed(request):
     return JsonResponse({**_body(request), "would_deny": request.ratelimit.would_deny})

@@ -113,6 +113,9 @@ class BaseBackend(ABC):
     option_names: ClassVar[frozenset[str] | None] = None
     #: The system-check id of an unknown option.
     unknown_option_id: ClassVar[str] = "django_tokenbucket.E013"
+    #: Whether ``adecide``/``areset``/``arefund`` run on the event loop (an asyncio
+    #: client) rather than the blocking methods in a worker thread (the default here).
+    asyncio_native: ClassVar[bool] = False
 
     def __init__(self, options: Mapping[str, Any], *, setting: str = "TOKENBUCKET") -> None:
         self.options = dict(options)

@@ -7,6 +7,11 @@ transaction the decision joins it: a rollback un-spends the tokens.
 
 On PostgreSQL, outside any transaction, a decision is instead one call of a
 server-side function (``postgresql.decide_in_server``): one round trip, same answers.
+
+The async API (``alimit``...) runs these blocking decisions in Django's thread-sensitive
+worker thread (``sync_to_async``), where the request's database connection belongs:
+Django's async ORM has no ``select_for_update`` inside a transaction, nor async
+transactions, which the all-or-nothing step needs.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ The braces are a Redis Cluster hash tag: every limit of one key lives in one slo
 
 Unlike the database backend, a decision does not join the caller's database
 transaction: a rollback does not return the tokens.
+
+The async API (``alimit``...) decides on redis-py's asyncio client, built from the same
+cache settings (``redis_asyncio``), one per event loop: no thread per decision.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(
         f"the Redis backend needs django-redis: pip install 'dj-tokenbucket[redis]' ({exc})"
     ) from exc
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -54,11 +58,14 @@ from ..limits import FIXED_WINDOW, LimitConfig
 from ..settings import tokenbucket_settings
 from . import is_django_redis
 from .base import BackendError, BaseBackend, Outcome, Request, RowId, row_id
+from .redis_asyncio import AsyncioClients, missing_cache_error, not_django_redis_error
 
 __all__ = ["SCRIPT", "ClusterConnectionFactory", "RedisBackend", "state_key"]
 
 #: The decision script, shipped as package data.
 SCRIPT = resources.files("django_tokenbucket").joinpath("lua", "decide.lua").read_text(encoding="utf-8")
+#: Its SHA-1, the name EVALSHA runs it by.
+SCRIPT_SHA = hashlib.sha1(SCRIPT.encode("utf-8")).hexdigest()
 
 #: Bounds of a key's TTL in milliseconds. The upper one only keeps Redis' expiry
 #: arithmetic in range: no bucket of a valid limit takes 285,000 years to refill.
@@ -143,6 +150,7 @@ class RedisBackend(BaseBackend):
 
     option_names = frozenset(_OPTIONS)
     unknown_option_id = "django_tokenbucket.E021"
+    asyncio_native = True
 
     def __init__(self, options: Mapping[str, Any], *, setting: str = "TOKENBUCKET") -> None:
         super().__init__(options, setting=setting)
@@ -165,6 +173,13 @@ class RedisBackend(BaseBackend):
         #: how often the script had to be sent again (NOSCRIPT).
         self.errors: Counter[str] = Counter()
         self.script_reloads = 0
+        #: The asyncio clients of the async API, one per event loop.
+        self.asyncio_clients = AsyncioClients(alias, setting, cluster_factory=ClusterConnectionFactory)
+        #: Calls of the async API by how they reached Redis: "asyncio" (its own client)
+        #: or "thread" (the blocking client in a worker thread, for cache settings that
+        #: the asyncio client cannot mirror; ``asyncio_clients.thread_reason`` says why).
+        self.async_calls: Counter[str] = Counter()
+        self._asyncio_keys: tuple[int, str | None, Callable[[str], Any]] | None = None
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], setting: str) -> list[Any]:
@@ -228,6 +243,39 @@ class RedisBackend(BaseBackend):
     # -- BaseBackend ----------------------------------------------------------------------
 
     def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
+        try:
+            # Inside the try: a cluster client discovers its nodes when it is made.
+            connection = self._connect()
+            keys, argv = self._command(connection, requests, apply=apply)
+            self._check_slots(connection.client, keys, requests)
+            reply = self._run(connection.client, keys, argv)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise self._failed(exc, ambiguous=apply and self._script_may_have_run(exc)) from exc
+        return self._outcome(reply, len(requests))
+
+    async def adecide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
+        """``decide()`` on the asyncio client of the running event loop: the same script,
+        keys, clock and error mapping, without a thread."""
+        client = None
+        try:
+            connection = await self._aconnect()
+            if connection is None:
+                self.async_calls["thread"] += 1
+                return await super().adecide(requests, apply=apply)
+            self.async_calls["asyncio"] += 1
+            client = connection.client
+            keys, argv = self._command(connection, requests, apply=apply)
+            self._check_slots(client, keys, requests)
+            reply = await self._arun(client, keys, argv)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            ambiguous = apply and client is not None and _may_have_run(client, exc)
+            raise self._failed(exc, ambiguous=ambiguous) from exc
+        return self._outcome(reply, len(requests))
+
+    def _command(
+        self, connection: _Connection, requests: Sequence[Request], *, apply: bool
+    ) -> tuple[list[str], list[str]]:
+        """Return the keys and arguments of the decision script for ``requests``."""
         override = clock.override()
         if override is not None:
             header = f"{override} {int(apply)} {PINNED_CLOCK_MIN_TTL_MS} {MAX_TTL_MS}"
@@ -235,35 +283,38 @@ class RedisBackend(BaseBackend):
             header = f"{clock.app_now()} {int(apply)} {MIN_TTL_MS} {MAX_TTL_MS}"
         else:
             header = _STORE_CLOCK_HEADERS[apply]
-        try:
-            # Inside the try: a cluster client discovers its nodes when it is made.
-            connection = self._connect()
-            if len(requests) == 1:
-                # The common call, without the bookkeeping of shared rows.
-                request = requests[0]
-                limit = self._limit(request.config)
-                keys = [self._key(connection, limit, request.key)]
-                argv = [header, self._request_argument(limit, request, 1)]
-            else:
-                keys = []
-                argv = [header]
-                index: dict[RowId, int] = {}
-                for request in requests:
-                    limit = self._limit(request.config)
-                    rid = row_id(request)
-                    if rid not in index:
-                        keys.append(self._key(connection, limit, request.key))
-                        index[rid] = len(keys)
-                    argv.append(self._request_argument(limit, request, index[rid]))
-                self._check_slots(connection.client, keys, requests)
-            reply = self._run(connection.client, keys, argv)
-        except (RedisError, RedisClusterException, OSError) as exc:
-            raise self._failed(exc, ambiguous=apply and self._script_may_have_run(exc)) from exc
-        return self._outcome(reply, len(requests))
+        if len(requests) == 1:
+            # The common call, without the bookkeeping of shared rows.
+            request = requests[0]
+            limit = self._limit(request.config)
+            return [self._key(connection, limit, request.key)], [header, self._request_argument(limit, request, 1)]
+        keys: list[str] = []
+        argv = [header]
+        index: dict[RowId, int] = {}
+        for request in requests:
+            limit = self._limit(request.config)
+            rid = row_id(request)
+            if rid not in index:
+                keys.append(self._key(connection, limit, request.key))
+                index[rid] = len(keys)
+            argv.append(self._request_argument(limit, request, index[rid]))
+        return keys, argv
 
     def reset(self, config: LimitConfig, key: EncodedKey) -> None:
         try:
             self.client().delete(self.key(config, key))
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise self._failed(exc) from exc
+
+    async def areset(self, config: LimitConfig, key: EncodedKey) -> None:
+        try:
+            connection = await self._aconnect()
+            if connection is None:
+                self.async_calls["thread"] += 1
+                await super().areset(config, key)
+                return
+            self.async_calls["asyncio"] += 1
+            await connection.client.delete(self._key(connection, self._limit(config), key))
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc) from exc
 
@@ -275,12 +326,10 @@ class RedisBackend(BaseBackend):
         capacity is what every read caps, and its key expires at once (a full limit).
         Unlike the database backend, this does not join the caller's transaction.
         """
-        uncapped = replace(config, max_reserved=None)
-        outcome = self.decide([Request(uncapped, key, -amount, reserve=True)], apply=True)
-        decision = outcome.decisions[0]
-        if decision.value > config.capacity:
-            decision = replace(decision, value=config.capacity, full_after=0)
-        return Outcome([decision], outcome.now)
+        return _capped(config, self.decide([_refund_request(config, key, amount)], apply=True))
+
+    async def arefund(self, config: LimitConfig, key: EncodedKey, amount: int) -> Outcome:
+        return _capped(config, await self.adecide([_refund_request(config, key, amount)], apply=True))
 
     # -- internals ------------------------------------------------------------------------
 
@@ -300,11 +349,7 @@ class RedisBackend(BaseBackend):
         connection = self._connection
         if connection is None:  # no client could be made: nothing was sent
             return False
-        if _client_retries(connection.client):
-            return True
-        if isinstance(exc, ResponseError):  # Redis answered: the script failed or never ran
-            return False
-        return isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and "connecting" not in str(exc)
+        return _may_have_run(connection.client, exc)
 
     def _connect(self) -> _Connection:
         """Return the client and key prefix of the cache, loaded again after CACHES changed.
@@ -320,20 +365,29 @@ class RedisBackend(BaseBackend):
         try:
             client = get_redis_connection(self.cache_alias, write=True)
         except InvalidCacheBackendError:
-            defined = ", ".join(map(repr, settings.CACHES)) or "none"
-            raise ImproperlyConfigured(
-                f"{self.setting}['OPTIONS']['CACHE'] = {self.cache_alias!r} is not an alias in CACHES "
-                f"(defined: {defined}): name a django-redis cache"
-            ) from None
+            raise missing_cache_error(self.cache_alias, self.setting) from None
         except NotImplementedError:
-            raise ImproperlyConfigured(
-                f"the Redis backend needs a django-redis cache, and CACHES[{self.cache_alias!r}] is not one "
-                f"(set its BACKEND to 'django_redis.cache.RedisCache')"
-            ) from None
+            raise not_django_redis_error(self.cache_alias) from None
+        connection = self._connection = _Connection(generation, client, *self._key_function())
+        return connection
+
+    async def _aconnect(self) -> _Connection | None:
+        """Return the running loop's asyncio client with the key prefix, or None for the thread path."""
+        generation = _caches_generation
+        client = await self.asyncio_clients.client(generation)
+        if client is None:
+            return None
+        keys = self._asyncio_keys
+        if keys is None or keys[0] != generation:
+            keys = self._asyncio_keys = (generation, *self._key_function())
+        return _Connection(generation, client, keys[1], keys[2])
+
+    def _key_function(self) -> tuple[str | None, Callable[[str], Any]]:
+        """Return what keys are made with: the cache's prefix (with Django's default key
+        function) and its ``make_key``."""
         cache = caches[self.cache_alias]
         prefix = f"{cache.key_prefix}:{cache.version}:" if cache.key_func is default_key_func else None
-        connection = self._connection = _Connection(generation, client, prefix, cache.make_key)
-        return connection
+        return prefix, cache.make_key
 
     @staticmethod
     def _key(connection: _Connection, limit: _Limit, key: EncodedKey) -> str:
@@ -371,7 +425,7 @@ class RedisBackend(BaseBackend):
 
     @staticmethod
     def _check_slots(client: Any, keys: list[str], requests: Sequence[Request]) -> None:
-        if len(keys) < 2 or not isinstance(client, RedisCluster):
+        if len(keys) < 2 or not isinstance(client, (RedisCluster, AsyncRedisCluster)):
             return
         cluster: Any = client
         if len({cluster.keyslot(key) for key in keys}) > 1:
@@ -400,6 +454,13 @@ class RedisBackend(BaseBackend):
             # script and caches it again in one round trip, on whichever node owns the slot.
             return client.execute_command("EVAL", SCRIPT, len(keys), *keys, *argv)
 
+    async def _arun(self, client: Any, keys: list[str], argv: list[str]) -> Any:
+        try:
+            return await client.execute_command("EVALSHA", SCRIPT_SHA, len(keys), *keys, *argv)
+        except NoScriptError:
+            self.script_reloads += 1
+            return await client.execute_command("EVAL", SCRIPT, len(keys), *keys, *argv)
+
     @staticmethod
     def _outcome(reply: Any, count: int) -> Outcome:
         if isinstance(reply, bytes):
@@ -422,9 +483,29 @@ class RedisBackend(BaseBackend):
         return Outcome(decisions, int(fields[0]))
 
 
+def _refund_request(config: LimitConfig, key: EncodedKey, amount: int) -> Request:
+    return Request(replace(config, max_reserved=None), key, -amount, reserve=True)
+
+
+def _capped(config: LimitConfig, outcome: Outcome) -> Outcome:
+    decision = outcome.decisions[0]
+    if decision.value > config.capacity:
+        decision = replace(decision, value=config.capacity, full_after=0)
+    return Outcome([decision], outcome.now)
+
+
+def _may_have_run(client: Any, exc: BaseException) -> bool:
+    """Whether the script may have run although the call on ``client`` failed (see ``_script_may_have_run``)."""
+    if _client_retries(client):
+        return True
+    if isinstance(exc, ResponseError):  # Redis answered: the script failed or never ran
+        return False
+    return isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and "connecting" not in str(exc)
+
+
 def _client_retries(client: Any) -> bool:
     """Whether redis-py may send a command again after a connection error or timeout."""
-    if isinstance(client, RedisCluster):
+    if isinstance(client, (RedisCluster, AsyncRedisCluster)):
         return True
     options = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
     retry = options.get("retry")
