@@ -414,37 +414,7 @@ def test_state_filter_agrees_with_the_value_derived_now(data):
 
 # -- every backend: the buckets views (run on Redis Cluster too, by test_redis_cluster.py) ---
 
-DATABASE_BACKEND = "django_tokenbucket.backends.database.DatabaseBackend"
-#: Beside the test settings' limits: a sharded one and one whose name the Redis backend
-#: hashes (it is not made of [A-Za-z0-9_.-]).
-OPS_LIMITS = {"hot": {"rate": "40/m", "shards": 4}, "odd name/ü": "5/m"}
 BUCKETS = f"{CHANGELIST}buckets/default/"
-
-
-@pytest.fixture(params=["database", "redis"])
-def backend(request):
-    """The default backend: the database or Redis (the conformance suite's two stores)."""
-    from django.test import override_settings
-
-    from .settings import TOKENBUCKET as BASE_SETTINGS
-
-    overrides = {"BACKEND": DATABASE_BACKEND}
-    if request.param == "redis":
-        overrides = request.getfixturevalue("redis_store")
-    with override_settings(TOKENBUCKET={**BASE_SETTINGS, **overrides}):
-        yield request.param
-
-
-@pytest.fixture
-def ops(backend):
-    """OPS_LIMITS added to the backend's settings, at a pinned time."""
-    from django.conf import settings as django_settings
-    from django.test import override_settings
-
-    current = django_settings.TOKENBUCKET
-    limits = {**current["LIMITS"], **OPS_LIMITS}
-    with override_settings(TOKENBUCKET={**current, "LIMITS": limits}), frozen_clock(T0) as clock:
-        yield clock
 
 
 def digests_listed(content: str) -> list[str]:
@@ -481,10 +451,10 @@ def test_buckets_of_every_backend_page_by_page(ops, monkeypatch):
     assert 'name="_selected_action"' not in first  # a viewer gets no reset controls
 
 
-def test_the_banner_says_what_a_backend_cannot_show(ops, backend):
+def test_the_banner_says_what_a_backend_cannot_show(ops, ops_store):
     limiter.limit("ten_per_minute", "alice")
     content = client_for(make_user("root", superuser=True)).get(BUCKETS, {"name": "ten_per_minute"}).content.decode()
-    if backend == "database":
+    if ops_store == "database":
         # Rows keep labels and are counted by index: nothing to warn about.
         assert 'class="tb-elsewhere"' not in content and ">alice<" in content
     else:
