@@ -962,27 +962,54 @@ class RateLimitAdmin(BucketAdminViews):
             configs = [config for config in configs if config.name in names]
         return context, count_by_state(queryset, configs, context.now, partial=names is not None)
 
+    def _elsewhere_counts(self, request: HttpRequest, limits: dict[str, KnownLimit]) -> dict[str, int | None]:
+        """Stored keys of the limits on other backends than this changelist's database:
+        counted where that is an index read, None (not counted) elsewhere."""
+        database = self.get_queryset(request).db
+        counts: dict[str, int | None] = {}
+        for alias in backend_aliases():
+            backend = get_backend(alias)
+            if backend.database_alias() == database:
+                continue
+            configs = [known.config for known in limits.values() if known.config.backend == alias]
+            counted: dict[str, int] = {}
+            if configs and backend.lists_buckets and backend.counts_cheaply:
+                try:
+                    counted = backend.count_buckets(configs)
+                except BackendError:
+                    counted = {}
+            counts.update((config.name, counted.get(config.name)) for config in configs)
+        return counts
+
     def limits_view(self, request: HttpRequest) -> HttpResponse:
-        """Every limit: its config, the keys stored and how many are limited right now."""
+        """Every limit: its config and backend, the keys stored and how many are limited right now."""
         if not self.has_view_or_change_permission(request):
             raise PermissionDenied
         context, counts = self._counts(request)
+        elsewhere = self._elsewhere_counts(request, context.limits)
         changelist = reverse(f"{self.admin_site.name}:django_tokenbucket_ratelimit_changelist")
         entries = []
         for name in sorted(set(context.limits) | set(counts)):
             known = context.limits.get(name)
             count = counts.get(name, {})
-            entries.append(
-                {
-                    "name": name,
-                    "known": known,
-                    "rate": describe_rate(known.config) if known else None,
-                    "stored": count.get("stored", 0),
-                    "limited": count.get(LIMITED, 0) if known else None,
-                    "detail_url": reverse(f"{self.admin_site.name}:django_tokenbucket_ratelimit_limit", args=[name]),
-                    "changelist_url": f"{changelist}?{urlencode({'name': name})}",
-                }
-            )
+            entry = {
+                "name": name,
+                "known": known,
+                "backend": known.config.backend if known else None,
+                "rate": describe_rate(known.config) if known else None,
+                "stored": count.get("stored", 0),
+                "limited": count.get(LIMITED, 0) if known else None,
+                "detail_url": reverse(f"{self.admin_site.name}:django_tokenbucket_ratelimit_limit", args=[name]),
+                "changelist_url": f"{changelist}?{urlencode({'name': name})}",
+            }
+            if name in elsewhere and known is not None:
+                # Its keys are not rows of this changelist: listed by its backend's own page.
+                entry.update(
+                    stored=elsewhere[name],
+                    limited=None,
+                    changelist_url=self._url("buckets", known.config.backend, name=name),
+                )
+            entries.append(entry)
         return TemplateResponse(
             request,
             "admin/django_tokenbucket/ratelimit/limits.html",
@@ -1007,8 +1034,13 @@ class RateLimitAdmin(BucketAdminViews):
         if known is None and count is None:
             raise Http404(f"No rate limit named {name!r} is configured or stored.")
         count = count or {}
-        stored = count.get("stored", 0)
+        stored: int | None = count.get("stored", 0)
         changelist = reverse(f"{self.admin_site.name}:django_tokenbucket_ratelimit_changelist")
+        keys_url = f"{changelist}?{urlencode({'name': name})}"
+        elsewhere = self._elsewhere_counts(request, context.limits) if known is not None else {}
+        if name in elsewhere and known is not None:
+            stored, count = elsewhere[name], {}
+            keys_url = self._url("buckets", known.config.backend, name=name)
         return TemplateResponse(
             request,
             "admin/django_tokenbucket/ratelimit/limit.html",
@@ -1026,12 +1058,14 @@ class RateLimitAdmin(BucketAdminViews):
                     else format_tokens(known.config.max_reserved)
                 ),
                 "stored": stored,
+                "backend": known.config.backend if known else None,
                 "states": [
                     (_("limited (less than one token)"), count.get(LIMITED, 0) if known else None, LIMITED),
                     (_("partially used"), count.get(PARTIAL, 0) if known else None, PARTIAL),
                     (_("full"), count.get(FULL, 0) if known else None, FULL),
                 ],
-                "changelist_url": f"{changelist}?{urlencode({'name': name})}",
+                "by_state": name not in elsewhere,
+                "changelist_url": keys_url,
                 "now": _local_time(context.now),
                 "media": self.media,
             },

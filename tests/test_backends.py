@@ -170,3 +170,16 @@ def test_a_runtime_error_names_the_alias_setting_to_fix():
         with pytest.raises(ImproperlyConfigured, match=re.escape("TOKENBUCKET['BACKENDS']['fast']['OPTIONS']['CACHE'] = 'ratelimt'")):
             limiter.limit("api", "hank")
         assert limiter.limit("orders", "hank").ok  # the other store is unaffected
+
+
+def test_the_limits_overview_names_each_limits_backend_and_links_its_keys():
+    limiter.limit("api", "ida")
+    limiter.limit("orders", "ida")
+    client = client_for(make_user("root", superuser=True))
+    overview = client.get(f"{CHANGELIST}limits/").content.decode()
+    api_row = re.search(r'<tr>\s*<th scope="row"><a href="[^"]*limits/api/">api</a>.*?</tr>', overview, re.S).group(0)
+    assert "<td>fast</td>" in api_row and "not counted" in api_row and "buckets/fast/?name=api" in api_row
+    orders_row = re.search(r'<th scope="row"><a href="[^"]*limits/orders/">orders</a>.*?</tr>', overview, re.S).group(0)
+    assert "<td>default</td>" in orders_row and ">1</a>" in orders_row
+    one = client.get(f"{CHANGELIST}limits/api/").content.decode()
+    assert "not counted (list them)" in one and "buckets/fast/?name=api" in one and "partially used" not in one
