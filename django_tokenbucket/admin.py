@@ -265,24 +265,33 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
             "media": self.media,
         }
 
-    def _find(self, backend: BaseBackend, known: KnownLimit, term: str) -> tuple[list[StoredBucket], int]:
-        """Buckets for a search: a digest or a prefix of one, else the exact key typed (and its shards)."""
-        term = term.strip()
+    def _find(
+        self, backend: BaseBackend, known: KnownLimit, term: str, cursor: str | None
+    ) -> tuple[list[StoredBucket], int, str | None]:
+        """Buckets for a search, the store's time and where the search goes on.
+
+        The exact key typed (and its shards) is a direct read; a digest prefix is a
+        listing of its own, page by page (on Redis a SCAN of the keyspace).
+        """
+        found: dict[str, StoredBucket] = {}
+        now, next_cursor = 0, None
+        if cursor is None:
+            whole = known_limits(as_rows=False)[known.name].config
+            for key in dict.fromkeys(k for k in (term, key_from_text(term)) if k is not None):
+                encoded = encode_key(key)
+                shards = whole.shards
+                parts = [encoded] if shards == 1 else [shard_key(encoded, i, shards) for i in range(shards)]
+                for part in parts:
+                    page = backend.list_buckets(known.config, digest_prefix=part.digest)
+                    found.update((bucket.digest, bucket) for bucket in page.buckets)
+                    now = page.now
         if _HEX_PREFIX.fullmatch(term.lower()):
-            page = backend.list_buckets(known.config, digest_prefix=term.lower(), page_size=self.bucket_page_size)
-            return page.buckets, page.now
-        whole = known_limits(as_rows=False)[known.name].config
-        found: list[StoredBucket] = []
-        now = 0
-        for key in dict.fromkeys(k for k in (term, key_from_text(term)) if k is not None):
-            encoded = encode_key(key)
-            shards = whole.shards
-            parts = [encoded] if shards == 1 else [shard_key(encoded, i, shards) for i in range(shards)]
-            for part in parts:
-                page = backend.list_buckets(known.config, digest_prefix=part.digest)
-                found += page.buckets
-                now = page.now
-        return found, now
+            page = backend.list_buckets(
+                known.config, cursor=cursor, digest_prefix=term.lower(), page_size=self.bucket_page_size
+            )
+            found.update((bucket.digest, bucket) for bucket in page.buckets)
+            now, next_cursor = page.now, page.cursor
+        return sorted(found.values(), key=lambda bucket: bucket.digest), now, next_cursor
 
     def buckets_view(self, request: HttpRequest, alias: str) -> HttpResponse:
         """A page of one limit's buckets on backend ``alias`` (``?name=``, ``?cursor=``, ``?q=``)."""
@@ -310,8 +319,7 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
         cursor = request.GET.get("cursor") or None
         try:
             if term.strip():
-                buckets, now = self._find(backend, known, term)
-                next_cursor = None
+                buckets, now, next_cursor = self._find(backend, known, term.strip(), cursor)
             else:
                 page = backend.list_buckets(known.config, cursor=cursor, page_size=self.bucket_page_size)
                 buckets, now, next_cursor = page.buckets, page.now, page.cursor
@@ -326,7 +334,11 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
                 "config": describe_rate(known.config),
                 "now": _local_time(now) if now else None,
                 "rows": [self._bucket_row(alias, known, bucket, now) for bucket in buckets],
-                "next_url": self._url("buckets", alias, name=name, cursor=next_cursor) if next_cursor else None,
+                "next_url": (
+                    self._url("buckets", alias, name=name, cursor=next_cursor, **({"q": term} if term.strip() else {}))
+                    if next_cursor
+                    else None
+                ),
                 "first_url": self._url("buckets", alias, name=name) if cursor or term.strip() else None,
                 "reset_url": self._url("bucket_reset", alias),
                 "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
