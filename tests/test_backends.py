@@ -17,6 +17,7 @@ from django_redis import get_redis_connection
 
 from django_tokenbucket import LimitRequest, limiter
 from django_tokenbucket.backends import get_backend
+from django_tokenbucket.backends.redis import RedisBackend
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
 
@@ -183,3 +184,26 @@ def test_the_limits_overview_names_each_limits_backend_and_links_its_keys():
     assert "<td>default</td>" in orders_row and ">1</a>" in orders_row
     one = client.get(f"{CHANGELIST}limits/api/").content.decode()
     assert "not counted (list them)" in one and "buckets/fast/?name=api" in one and "partially used" not in one
+
+
+class OpaqueBackend(RedisBackend):
+    """A backend that does not declare listing (as a third-party one may not)."""
+
+    lists_buckets = False
+
+
+def test_a_backend_that_cannot_list_gets_a_banner_and_clear_command_errors():
+    backends = {**TWO_STORES["BACKENDS"], "opaque": {"BACKEND": f"{__name__}.OpaqueBackend", "OPTIONS": {"CACHE": "redis"}}}
+    limits = {**TWO_STORES["LIMITS"], "secret": {"rate": "3/m", "backend": "opaque"}}
+    with override_settings(TOKENBUCKET={**TWO_STORES, "BACKENDS": backends, "LIMITS": limits}):
+        limiter.limit("secret", "jo")
+        client = client_for(make_user("root", superuser=True))
+        page = client.get(CHANGELIST).content.decode()
+        assert "OpaqueBackend cannot list its buckets: inspect or reset one key with" in page
+        assert 'href="/admin/django_tokenbucket/ratelimit/buckets/opaque/"' not in page
+        own = client.get(f"{CHANGELIST}buckets/opaque/", {"name": "secret"}).content.decode()
+        assert "OpaqueBackend cannot list its buckets" in own and 'id="result_list"' not in own
+        assert re.search(r"^secret .*  stored keys not counted \(OpaqueBackend cannot list them\) on 'opaque'$", run("list"), re.M)
+        with pytest.raises(CommandError, match=r"'secret' is stored on backend 'opaque' \(OpaqueBackend\), which cannot list"):
+            run("reset", "secret", "--yes")
+        assert "Reset secret key 'jo'" in run("reset", "secret", "jo")  # one key: no listing needed
