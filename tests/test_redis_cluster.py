@@ -100,16 +100,18 @@ def test_listing_pages_through_every_primary_and_resets_them_all(cluster, redis_
         limiter.limit("login", "other")
     per_node = [server.client().dbsize() for server in masters(cluster)]
     assert len(per_node) == 3 and all(n > 0 for n in per_node)
-    digests, cursor, pages = [], None, 0
+    digests, cursor, pages, largest = [], None, 0, 0
     while True:
         page = redis_backend.list_buckets(config, cursor=cursor, page_size=20)
         digests += [bucket.digest for bucket in page.buckets]
         pages += 1
+        largest = max(largest, len(page.buckets))
         if page.cursor is None:
             break
         cursor = page.cursor
+    # Every key, although they lie on three primaries; in pages of about 20 (COUNT is a hint to SCAN).
     assert sorted(set(digests)) == sorted(encode_key(user).digest for user in range(300))
-    assert pages >= 3 * 5  # bounded pages, on each of the three primaries
+    assert pages >= 300 // 60 and largest <= 60
     assert redis_backend.count_buckets([config, limiter.resolve("login")]) == {"ten_per_minute": 300, "login": 1}
     assert redis_backend.reset_all(config, batch_size=50) == 300
     assert redis_backend.count_buckets([config, limiter.resolve("login")]) == {"ten_per_minute": 0, "login": 1}
