@@ -51,8 +51,9 @@ def measure(client: Client, repeat: int) -> dict[str, dict[str, float]]:
 def explain(rows: int) -> None:
     """Print the plans of the default page and of the "limited now" filter's count."""
     from django_tokenbucket.models import RateLimit
+    from django_tokenbucket.querysets import state_q
     from django_tokenbucket.registry import known_limits
-    from django_tokenbucket.state import LIMITED, state_q, store_now
+    from django_tokenbucket.state import LIMITED, store_now
 
     options = {"analyze": True} if DB != "sqlite" else {}
     page = RateLimit.objects.order_by("name", "-ts", "-id")[:100]

@@ -10,7 +10,6 @@ from benchmarks import peers_settings as base
 from benchmarks.peers_settings import *  # noqa: F403 - peers.py's settings, overridden below
 
 PG_DATABASE = "tokenbucket_bench_http"
-# Not peers.py's async-commit alias: every view here uses the default connection.
 DATABASES = {"default": {**base.DATABASES["default"], "NAME": PG_DATABASE}}
 # Not a prefix of peers.py's "tbbench" either way round: each run clears only its own keys.
 REDIS_PREFIX = "tbhttp"

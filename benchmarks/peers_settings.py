@@ -61,7 +61,23 @@ CACHES = {
 #: ``memory``: 100 per hour (keys that stay while Redis' memory is measured).
 SPECS = {"bench": (100, 1), "sanity": (5, 3600), "memory": (100, 3600)}
 
+#: Our configurations, each measured in a process of its own (``TOKENBUCKET`` is process-wide):
+#: the worker's ``TOKENBUCKET_BENCH_CONFIG`` names its backend and options. The peers'
+#: process and the coordinator get the default, which none of their adapters uses.
+BENCH_CONFIGS = {
+    "db": ("django_tokenbucket.backends.database.DatabaseBackend", {}),
+    "db-portable": ("django_tokenbucket.backends.database.DatabaseBackend", {"FAST_PATH": False}),
+    "db-async-commit": ("django_tokenbucket.backends.database.DatabaseBackend", {"ASYNC_COMMIT": True}),
+    "db-sharded": ("django_tokenbucket.backends.database.DatabaseBackend", {}),
+    "db-sharded-portable": ("django_tokenbucket.backends.database.DatabaseBackend", {"FAST_PATH": False}),
+    "redis": ("django_tokenbucket.backends.redis.RedisBackend", {"CACHE": "default"}),
+}
+BENCH_CONFIG = os.environ.get("TOKENBUCKET_BENCH_CONFIG", "peers")
+_backend, _options = BENCH_CONFIGS.get(BENCH_CONFIG, BENCH_CONFIGS["db"])
+
 TOKENBUCKET = {
+    "BACKEND": _backend,
+    "OPTIONS": _options,
     "LIMITS": {
         name: {"kind": "token bucket", "rate": count, "period": period} for name, (count, period) in SPECS.items()
     },

@@ -12,14 +12,20 @@ so the arithmetic can lose a micro-token at worst and never mints one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 __all__ = [
+    "ALGORITHMS",
     "CLOCK_SKEW_TOLERANCE",
+    "FIXED_WINDOW",
     "MAX_AMOUNT",
     "MICRO",
+    "TOKEN_BUCKET",
+    "Algorithm",
     "Decision",
     "State",
+    "algorithm_named",
     "fixed_window",
     "fixed_window_refund",
     "fresh_fixed_window",
@@ -126,13 +132,15 @@ def token_bucket(
     capacity: int,
     reserve: bool = False,
     max_reserved: int | None = None,
+    offset: int = 0,
 ) -> Decision:
     """Decide whether ``count`` micro-tokens may be taken from a token bucket at ``now``.
 
     The bucket gains ``rate`` micro-tokens per ``period`` microseconds, continuously,
     up to ``capacity``. With ``reserve`` the value may go below zero (a debt) down to
     ``-max_reserved`` (unbounded when ``max_reserved`` is None). ``count`` may be 0 to
-    read the value without taking anything.
+    read the value without taking anything. ``offset`` is unused (a bucket has no
+    windows); it is accepted so that every kind is called alike (``Algorithm``).
     """
     if state is None:
         state = fresh_token_bucket(capacity)
@@ -261,14 +269,15 @@ def fixed_window(
 
 
 def token_bucket_refund(
-    state: State | None, now: int, amount: int, *, rate: int, period: int, capacity: int
+    state: State | None, now: int, amount: int, *, rate: int, period: int, capacity: int, offset: int = 0
 ) -> State:
     """Return a token bucket's state once ``amount`` micro-tokens are given back at ``now``.
 
     The bucket first refills as ``token_bucket`` would, keeping its refill phase, then
     gains ``amount``, capped at ``capacity``. Refilling before adding makes a refund
     exact: the result is the state the bucket would have if the returned tokens had
-    never been taken, since both sides reach the cap in the same way.
+    never been taken, since both sides reach the cap in the same way. ``offset`` is
+    unused, as in ``token_bucket``.
     """
     if amount < 0:
         raise ValueError(f"a refund must not be negative, not {amount!r}")
@@ -292,3 +301,83 @@ def fixed_window_refund(
     )
     assert current.state is not None  # uncapped reservations always allow a zero count
     return State(min(capacity, current.value + amount), current.state.ts)
+
+
+def _token_bucket_fresh(capacity: int, period: int, offset: int) -> State:
+    return fresh_token_bucket(capacity)
+
+
+def _token_bucket_refill_time(amount: int, rate: int, period: int) -> int:
+    return _ceil_div(amount * period, rate)
+
+
+def _fixed_window_refill_time(amount: int, rate: int, period: int) -> int:
+    return _ceil_div(amount, rate) * period
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One kind of limit: its arithmetic, and what the rest of the package needs to know of it.
+
+    Everything that depends on a limit's kind asks its ``Algorithm`` (``LimitConfig.algorithm``)
+    instead of comparing kind names, so a new kind is a new entry in ``ALGORITHMS`` plus its
+    ports in the stores' scripts (``lua/decide.lua``, the PostgreSQL functions), which
+    receive ``code``.
+    """
+
+    #: The name users write in ``"kind"`` (and the admin shows).
+    name: str
+    #: Other spellings accepted in ``"kind"``.
+    aliases: tuple[str, ...]
+    #: The one-letter name the Redis script and the PostgreSQL functions dispatch on.
+    code: str
+    #: Whether the limit refills in steps that start at a per-key offset (a window's phase,
+    #: from ``start`` or a hash of the key): its fresh state and decisions need that offset,
+    #: and ``start`` applies to it.
+    phased: bool
+    #: ``decide(state, now, count, *, rate, period, capacity, offset, reserve, max_reserved)``.
+    decide: Callable[..., Decision]
+    #: ``refund(state, now, amount, *, rate, period, capacity, offset)``: the state once tokens come back.
+    refund: Callable[..., State]
+    #: ``fresh(capacity, period, offset)``: the state of a key nobody has used.
+    fresh: Callable[[int, int, int], State]
+    #: ``refill_time(amount, rate, period)``: how long (µs) a value of 0 takes to reach ``amount``.
+    refill_time: Callable[[int, int, int], int]
+
+
+TOKEN_BUCKET = "token bucket"
+FIXED_WINDOW = "fixed window"
+
+#: Every kind of limit, by name.
+ALGORITHMS: dict[str, Algorithm] = {
+    algorithm.name: algorithm
+    for algorithm in (
+        Algorithm(
+            name=TOKEN_BUCKET,
+            aliases=("token_bucket",),
+            code="t",
+            phased=False,
+            decide=token_bucket,
+            refund=token_bucket_refund,
+            fresh=_token_bucket_fresh,
+            refill_time=_token_bucket_refill_time,
+        ),
+        Algorithm(
+            name=FIXED_WINDOW,
+            aliases=("fixed_window",),
+            code="f",
+            phased=True,
+            decide=fixed_window,
+            refund=fixed_window_refund,
+            fresh=fresh_fixed_window,
+            refill_time=_fixed_window_refill_time,
+        ),
+    )
+}
+
+_BY_SPELLING = {spelling: a for a in ALGORITHMS.values() for spelling in (a.name, *a.aliases)}
+
+
+def algorithm_named(kind: str) -> Algorithm | None:
+    """Return the algorithm a ``"kind"`` spelling names, or None if there is none."""
+    return _BY_SPELLING.get(kind)

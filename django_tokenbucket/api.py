@@ -13,11 +13,11 @@ from . import registry, signals
 from .algorithms import MICRO, Decision
 from .backends import get_backend
 from .backends.base import BackendError, BaseBackend, Outcome, Request
-from .conf import tokenbucket_settings
-from .config import LimitConfig, count_to_micro, freeze, parse_limit
 from .exceptions import BackendUnavailable, RateLimited
 from .keys import EncodedKey, encode_key
+from .limits import LimitConfig, count_to_micro, freeze, parse_limit
 from .logs import throttled_logger
+from .settings import tokenbucket_settings
 from .shards import pick_two, shard_configs, shard_key, split
 from .status import MultiStatus, Status
 

@@ -15,5 +15,5 @@ class TokenBucketConfig(AppConfig):
 
         if find_spec("celery") is not None:
             # Registers the django_tokenbucket.* tasks with the project's Celery app, so that
-            # workers know them without autodiscovery (which looks for tasks.py only).
-            from . import celery  # noqa: F401
+            # workers know them without autodiscovery.
+            from . import tasks  # noqa: F401

@@ -8,9 +8,10 @@ the tokens unspent. The task claims its reservation once, so a redelivered messa
 does nothing; a periodic sweeper publishes what a crash kept from being published
 and what was too far in the future to sit in a broker. See ``docs/celery.md``.
 
-Needs the ``celery`` extra. Tasks are named ``django_tokenbucket.*`` and bound to the
-project's Celery app with ``shared_task``; the app config imports this module when
-Celery is installed, so workers know the tasks without any ``imports`` setting.
+Needs the ``celery`` extra. The tasks (``django_tokenbucket.tasks``) are named
+``django_tokenbucket.*`` and bound to the project's Celery app with ``shared_task``; the
+app config imports them when Celery is installed, so workers know them without any
+``imports`` setting.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple, NoReturn
 
 try:
-    from celery import current_app, shared_task
+    from celery import current_app
     from celery.canvas import Signature
     from celery.exceptions import Ignore
     from kombu.utils.json import dumps as kombu_dumps
@@ -45,12 +46,12 @@ from django.utils import timezone
 from . import clock, reservations
 from .algorithms import MICRO
 from .api import ConfigSpec, limiter
-from .conf import tokenbucket_settings
-from .config import LimitConfig
 from .exceptions import RateLimited
 from .keys import EncodedKey
+from .limits import LimitConfig
 from .models import Reservation
 from .reservations import CELERY_DEFAULTS, WAITING, cancel, refund
+from .settings import tokenbucket_settings
 from .status import Status, ambiguous_truth
 
 __all__ = [
@@ -61,13 +62,15 @@ __all__ = [
     "current_reservation",
     "max_eta",
     "refund",
-    "run_reservation",
+    "run_reservation_work",
     "schedule",
     "sweep",
-    "sweep_reservations",
 ]
 
 logger = logging.getLogger("django_tokenbucket")
+
+#: The name of the task that runs a reservation's work (``tasks.run_reservation``).
+RUN_RESERVATION_TASK = "django_tokenbucket.run_reservation"
 
 _Status = Reservation.Status
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -293,7 +296,15 @@ def _options(stored: Mapping[str, Any]) -> dict[str, Any]:
 def _send(pk: Any, eta: datetime, options: Mapping[str, Any]) -> None:
     """Publish the task of reservation ``pk`` (its id is the reservation's)."""
     when = eta if eta > timezone.now() else None
-    run_reservation.apply_async((str(pk),), task_id=str(pk), eta=when, **options)
+    # By name: the task lives in tasks.py, which imports this module.
+    try:
+        task = current_app.tasks[RUN_RESERVATION_TASK]
+    except KeyError:
+        raise ImproperlyConfigured(
+            f"the Celery app {current_app.main!r} does not know the task {RUN_RESERVATION_TASK!r}: "
+            f"add 'django_tokenbucket' to INSTALLED_APPS (its app config registers the task)"
+        ) from None
+    task.apply_async((str(pk),), task_id=str(pk), eta=when, **options)
 
 
 def _publish_after_commit(pk: Any, eta: datetime, options: Mapping[str, Any], alias: str) -> None:
@@ -329,8 +340,12 @@ def _ignore(pk: Any, status: str) -> NoReturn:
     raise Ignore()
 
 
-def _run_reservation(task: Any, reservation_id: str) -> Any:
-    """Run the work of one reservation, once, however often its message arrives."""
+def run_reservation_work(task: Any, reservation_id: str) -> Any:
+    """Run the work of one reservation, once, however often its message arrives.
+
+    The body of the ``django_tokenbucket.run_reservation`` task (``tasks.run_reservation``),
+    bound: ``task`` is the running task.
+    """
     alias = reservations.database_alias()
     row = Reservation.objects.using(alias).filter(pk=reservation_id).first()
     if row is None:
@@ -419,18 +434,6 @@ def _failed(pk: Any, alias: str, exc: BaseException) -> None:
             row.save(update_fields=names)
     except Exception:
         logger.warning("reservation %s: could not record its failure", pk, exc_info=True)
-
-
-# Applied as calls rather than decorators: Celery ships no type information, and the
-# functions keep their own signatures for type checkers and direct calls.
-run_reservation = shared_task(
-    bind=True,
-    name="django_tokenbucket.run_reservation",
-    # Acknowledged once it ran, and given back to the broker when its worker dies, so
-    # that no reservation is lost; the claim makes the duplicates harmless.
-    acks_late=True,
-    reject_on_worker_lost=True,
-)(_run_reservation)
 
 
 # -- the sweeper -------------------------------------------------------------------------
@@ -548,11 +551,3 @@ def _publish_batches(alias: str, queryset: Any, batch: int, now: datetime) -> tu
             return sent, 1
         if len(rows) < batch:
             return sent, 0
-
-
-def _sweep_reservations() -> dict[str, int]:
-    """Sweep reservations (see ``sweep``); return the report."""
-    return sweep().as_dict()
-
-
-sweep_reservations = shared_task(name="django_tokenbucket.sweep_reservations", ignore_result=True)(_sweep_reservations)

@@ -12,12 +12,12 @@ from django.urls import get_resolver
 from django.utils.module_loading import import_string
 
 from .backends import backend_class, is_django_redis
-from .conf import DEFAULT_BACKEND, DEFAULTS, parse_backends
-from .config import DEFAULT_BACKEND_ALIAS, parse_limit
 from .decorators import declared_limits, declared_stacks
 from .ip import ip_settings_problems
+from .limits import DEFAULT_BACKEND_ALIAS, parse_limit
 from .rates import parse_rate
 from .reservations import CELERY_DEFAULTS
+from .settings import DEFAULT_BACKEND, DEFAULTS, parse_backends
 
 try:
     from rest_framework.settings import api_settings as drf_settings

@@ -30,13 +30,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import DatabaseError, connections, router, transaction
+from django.db import connections, router, transaction
 from django.db.models import Count, Q
 
 from .algorithms import MICRO, State
 from .backends import get_backend
-from .backends.database import RETRYABLE_ERRORS, error_code
-from .config import LimitConfig
+from .backends.database import retrying
+from .limits import LimitConfig
 from .models import RateLimit
 from .registry import known_limits
 from .state import cleanup_span, is_idle, store_now
@@ -52,7 +52,6 @@ SQLITE_PAUSE = 0.1
 #: Seconds without a write after which rows of a name no limit here knows may be removed
 #: (``remove_unknown``), at the least: another service may use that limit inline.
 UNKNOWN_IDLE = 7 * 86400
-_BATCH_ATTEMPTS = 3
 
 
 @dataclass
@@ -207,17 +206,14 @@ def _batch(
     dry_run: bool,
     unknown_span: int,
 ) -> tuple[int, int, tuple[int, int] | None]:
-    """Run one batch; return (rows looked at, rows idle, keyset position to continue after)."""
-    for attempt in range(_BATCH_ATTEMPTS):
-        try:
-            return _batch_once(alias, name, limit, after, batch_size, dry_run, unknown_span)
-        except DatabaseError as exc:
-            # A serialization failure or deadlock (PostgreSQL SERIALIZABLE, InnoDB)
-            # only means the batch collided with live traffic: run it again.
-            if error_code(exc) not in RETRYABLE_ERRORS or attempt == _BATCH_ATTEMPTS - 1:
-                raise
-            time.sleep(0.01 * (attempt + 1))
-    raise AssertionError("unreachable")  # pragma: no cover
+    """Run one batch; return (rows looked at, rows idle, keyset position to continue after).
+
+    A serialization failure or deadlock (PostgreSQL SERIALIZABLE, InnoDB) only means the
+    batch collided with live traffic: it runs again under the decisions' retry policy.
+    """
+    return retrying(
+        alias, lambda: _batch_once(alias, name, limit, after, batch_size, dry_run, unknown_span), atomic=False
+    )
 
 
 def _batch_once(

@@ -14,16 +14,10 @@ from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponseBase
 
 from .api import LimitRequest, limiter
-from .conf import tokenbucket_settings
 from .exceptions import BackendUnavailable
-from .http import (
-    KeySpec,
-    add_ratelimit_headers,
-    rate_limited_response,
-    request_key,
-    unavailable_response,
-    validate_key_spec,
-)
+from .http import add_ratelimit_headers, rate_limited_response, unavailable_response
+from .request_keys import KeySpec, request_key, validate_key_spec
+from .settings import tokenbucket_settings
 from .status import Status
 
 __all__ = ["ALL", "UNSAFE", "declared_limits", "ratelimit"]

@@ -21,7 +21,7 @@ from typing import Any, Union
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest
 
-from .conf import tokenbucket_settings
+from .settings import tokenbucket_settings
 
 __all__ = [
     "FALLBACKS",

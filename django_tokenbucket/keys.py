@@ -64,7 +64,7 @@ def _encode(key: object, out: bytearray) -> None:
     out += tag + b"%d:" % len(data) + data
 
 
-#: The first element of the keys ``django_tokenbucket.http.request_key`` builds from
+#: The first element of the keys ``django_tokenbucket.request_keys.request_key`` builds from
 #: request data: ``("post:username", "alice")``, ``("username", "alice")``.
 SECRET_KINDS = ("header:", "get:", "post:", "username")
 

@@ -17,7 +17,7 @@ from typing import Any
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from .conf import tokenbucket_settings
+from .settings import tokenbucket_settings
 
 __all__ = ["ThrottledLogger", "throttled_logger"]
 

@@ -11,8 +11,8 @@ from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 from .algorithms import MICRO
-from .config import MAX_NAME_LENGTH
 from .keys import LABEL_LENGTH
+from .limits import MAX_NAME_LENGTH
 
 __all__ = ["RateLimit", "Reservation"]
 

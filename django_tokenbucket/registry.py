@@ -22,8 +22,8 @@ try:
 except ImportError:  # DRF is not installed: no throttles
     drf_settings = None  # type: ignore[assignment]
 
-from .conf import tokenbucket_settings
-from .config import LimitConfig, parse_limit
+from .limits import LimitConfig, parse_limit
+from .settings import tokenbucket_settings
 from .shards import row_config
 
 __all__ = [

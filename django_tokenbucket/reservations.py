@@ -23,11 +23,11 @@ from django.db import router, transaction
 from django.utils import timezone
 
 from .api import limiter
-from .conf import tokenbucket_settings
-from .config import LimitConfig, count_to_micro
 from .exceptions import BackendUnavailable
 from .keys import EncodedKey
+from .limits import LimitConfig, count_to_micro
 from .models import Reservation
+from .settings import tokenbucket_settings
 
 __all__ = [
     "CELERY_DEFAULTS",

@@ -21,8 +21,8 @@ import random
 from dataclasses import replace
 from functools import lru_cache
 
-from .config import LimitConfig
 from .keys import LABEL_LENGTH, EncodedKey
+from .limits import LimitConfig
 
 __all__ = ["pick_two", "row_config", "shard_configs", "shard_key", "split"]
 

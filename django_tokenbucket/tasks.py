@@ -1,12 +1,19 @@
-"""Celery tasks (needs the ``celery`` extra): periodic cleanup of idle rows.
+"""Every Celery task of the app (needs the ``celery`` extra).
 
-Schedule it with Celery beat::
+- ``django_tokenbucket.run_reservation``: runs the work of one reservation made by
+  ``django_tokenbucket.celery.schedule()``, once.
+- ``django_tokenbucket.sweep_reservations``: the reservations' sweeper (``celery.sweep``).
+- ``django_tokenbucket.cleanup``: deletes idle rate-limit rows (``cleanup.cleanup``).
+
+Schedule the periodic ones with Celery beat::
 
     CELERY_BEAT_SCHEDULE = {
+        "tokenbucket-sweep": {"task": "django_tokenbucket.sweep_reservations", "schedule": 30.0},
         "tokenbucket-cleanup": {"task": "django_tokenbucket.cleanup", "schedule": 300.0},
     }
 
-Celery's ``autodiscover_tasks()`` finds this module in the installed app.
+The app config imports this module when Celery is installed (as does Celery's
+``autodiscover_tasks()``), so workers know the tasks without any ``imports`` setting.
 """
 
 from __future__ import annotations
@@ -20,9 +27,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "django_tokenbucket.tasks needs Celery: pip install 'dj-tokenbucket[celery]'"
     ) from exc
 
+from .celery import RUN_RESERVATION_TASK, run_reservation_work, sweep
 from .cleanup import MAX_BATCH_SIZE, cleanup
 
-__all__ = ["cleanup_rate_limits"]
+__all__ = ["cleanup_rate_limits", "run_reservation", "sweep_reservations"]
 
 
 def _cleanup_rate_limits(
@@ -47,6 +55,20 @@ def _cleanup_rate_limits(
     return report.as_dict()
 
 
-# Applied as a call rather than a decorator: Celery ships no type information, and the
-# function keeps its own signature for type checkers and direct calls.
+def _sweep_reservations() -> dict[str, int]:
+    """Sweep reservations (see ``django_tokenbucket.celery.sweep``); return the report."""
+    return sweep().as_dict()
+
+
+# Applied as calls rather than decorators: Celery ships no type information, and the
+# functions keep their own signatures for type checkers and direct calls.
+run_reservation = shared_task(
+    bind=True,
+    name=RUN_RESERVATION_TASK,
+    # Acknowledged once it ran, and given back to the broker when its worker dies, so
+    # that no reservation is lost; the claim makes the duplicates harmless.
+    acks_late=True,
+    reject_on_worker_lost=True,
+)(run_reservation_work)
+sweep_reservations = shared_task(name="django_tokenbucket.sweep_reservations", ignore_result=True)(_sweep_reservations)
 cleanup_rate_limits = shared_task(name="django_tokenbucket.cleanup", ignore_result=True)(_cleanup_rate_limits)

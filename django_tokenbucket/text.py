@@ -5,7 +5,7 @@ from __future__ import annotations
 from decimal import ROUND_FLOOR, Decimal
 
 from .algorithms import MICRO
-from .config import FIXED_WINDOW, LimitConfig
+from .limits import LimitConfig
 
 __all__ = ["describe_rate", "format_duration", "format_tokens"]
 
@@ -62,7 +62,7 @@ def describe_rate(limit: LimitConfig) -> str:
     parts = [f"{limit.kind}: {format_tokens(limit.rate)} per {per}", f"capacity {format_tokens(limit.capacity)}"]
     if limit.max_reserved is not None:
         parts.append(f"max_reserved {format_tokens(limit.max_reserved)}")
-    if limit.kind == FIXED_WINDOW and limit.start is not None:
+    if limit.algorithm.phased and limit.start is not None:
         parts.append(f"start {format_duration(limit.start) if limit.start else '0 s'}")
     if limit.shadow:
         parts.append("shadow mode")

@@ -44,13 +44,13 @@ from rest_framework.throttling import BaseThrottle
 from . import clock, registry
 from .algorithms import MICRO
 from .api import LimitRequest, limiter
-from .conf import tokenbucket_settings
-from .config import LimitConfig
 from .exceptions import BackendUnavailable, RateLimited
 from .http import add_ratelimit_headers
 from .ip import client_address, ip_key
+from .limits import LimitConfig
 from .logs import throttled_logger
 from .rates import parse_rate
+from .settings import tokenbucket_settings
 from .status import Status
 
 __all__ = [
@@ -203,17 +203,19 @@ class SimpleRateThrottle(BaseThrottle):
         if getattr(request, "method", None) == "OPTIONS" and not tokenbucket_settings.COUNT_OPTIONS:
             return True  # a CORS preflight is the browser's, not the user's, request
         try:
-            decided = _decided(request, self.signature(request, view))
+            scopes = self.get_scopes(request, view)
+            signature: Signature = (type(self), tuple(scopes))
+            decided = _decided(request, signature)
             if decided is not None:
                 # A sibling asked first and decided this throttle with itself.
                 self.key, self.statuses = decided
                 self.now = self.timer()
                 return all(status.ok for status in self.statuses) or _no_store(view)
-            plan = self.limit_requests(request, view)
+            plan = self.limit_requests(request, view, scopes)
             if not plan:
                 return True
             self.now = self.timer()
-            self.statuses = _decide_for_view(request, view, self, plan)
+            self.statuses = _decide_for_view(request, view, self, signature, plan)
         except BackendUnavailable as exc:
             _no_store(view)
             raise ServiceUnavailable() from exc
@@ -255,9 +257,15 @@ class SimpleRateThrottle(BaseThrottle):
 
     # -- how a request becomes limits ---------------------------------------------------
 
-    def limit_requests(self, request: DRFRequest, view: Any) -> list[LimitRequest]:
-        """Return the limits this throttle takes from for ``request`` (empty: not throttled)."""
-        scopes = self.get_scopes(request, view)
+    def limit_requests(
+        self, request: DRFRequest, view: Any, scopes: Sequence[str] | None = None
+    ) -> list[LimitRequest]:
+        """Return the limits this throttle takes from for ``request`` (empty: not throttled).
+
+        ``scopes`` are ``get_scopes()``'s answer when the caller has it already.
+        """
+        if scopes is None:
+            scopes = self.get_scopes(request, view)
         if len(scopes) > 1 or self.scopes:
             rates = [(scope, self._rate_of(scope)) for scope in scopes]
         else:
@@ -345,27 +353,23 @@ def _scope_limit(name: str, rate: str) -> LimitConfig:
 
 
 def _decide_for_view(
-    request: DRFRequest, view: Any, throttle: SimpleRateThrottle, plan: list[LimitRequest]
+    request: DRFRequest, view: Any, throttle: SimpleRateThrottle, own: Signature, plan: list[LimitRequest]
 ) -> list[Status]:
     """Decide every throttle of this module on ``view`` at once, the first time one is asked.
 
     DRF asks each throttle in turn and would let the first ones spend tokens even when a
     later one denies; deciding them together with ``limit_many`` makes it all-or-nothing.
+    ``own`` is ``throttle``'s signature for this request.
     """
-    own = throttle.signature(request, view)
-    get_throttles = getattr(view, "get_throttles", None)
-    siblings = [t for t in get_throttles() if isinstance(t, SimpleRateThrottle)] if get_throttles else []
-    signatures = [(sibling, sibling.signature(request, view)) for sibling in siblings]
-    if not any(signature == own for _, signature in signatures):
+    siblings = _siblings(view, throttle, own, request)
+    if siblings is None:
         # Asked outside the view's own throttles (or the view has none): this one alone.
         with _pinned_time(throttle):
             return list(limiter.limit_many(plan))
     cache: dict[Signature, tuple[object, list[Status]]] = request.__dict__.setdefault("_tokenbucket_throttles", {})
     plans = [(own, throttle.key, plan)]
-    for sibling, signature in signatures:
-        if signature != own:
-            limits = sibling.limit_requests(request, view)
-            plans.append((signature, sibling.key, limits))
+    for sibling, signature in siblings:
+        plans.append((signature, sibling.key, sibling.limit_requests(request, view, signature[1])))
     flat = [limit for _, _, limits in plans for limit in limits]
     with _pinned_time(throttle):
         results = list(limiter.limit_many(flat)) if flat else []
@@ -377,6 +381,41 @@ def _decide_for_view(
     django_request = getattr(request, "_request", request)
     setattr(django_request, "_tokenbucket_throttle_statuses", results)  # noqa: B010
     return cache[own][1]
+
+
+@lru_cache(maxsize=1024)
+def _throttles_of_this_module(throttle_classes: tuple[Any, ...]) -> tuple[type[SimpleRateThrottle], ...]:
+    # Worked out once per view class (per list of throttle classes), not per request.
+    return tuple(cls for cls in throttle_classes if isinstance(cls, type) and issubclass(cls, SimpleRateThrottle))
+
+
+def _siblings(
+    view: Any, throttle: SimpleRateThrottle, own: Signature, request: DRFRequest
+) -> list[tuple[SimpleRateThrottle, Signature]] | None:
+    """Return the view's other throttles of this module with their signatures, or None if
+    ``throttle`` is not one of the view's own (it then decides alone).
+
+    DRF makes a view's throttles anew for each request and asks them in turn; from the
+    first one asked, the others are made here once more to decide them together. A view
+    that keeps DRF's ``get_throttles`` names its classes in ``throttle_classes``, so only
+    the classes other than ``throttle``'s are made; a view with its own
+    ``get_throttles`` is asked for its throttles, which are then compared by signature.
+    """
+    get_throttles = getattr(view, "get_throttles", None)
+    if get_throttles is None:
+        return None
+    if getattr(type(view), "get_throttles", None) is drf_views.APIView.get_throttles:
+        classes = _throttles_of_this_module(tuple(view.throttle_classes))
+        if type(throttle) not in classes:
+            return None
+        if classes.count(type(throttle)) == 1:
+            others = [cls() for cls in classes if cls is not type(throttle)]
+            return [(other, other.signature(request, view)) for other in others]
+    made = [t for t in get_throttles() if isinstance(t, SimpleRateThrottle)]
+    signatures = [(sibling, sibling.signature(request, view)) for sibling in made]
+    if not any(signature == own for _, signature in signatures):
+        return None
+    return [(sibling, signature) for sibling, signature in signatures if signature != own]
 
 
 def _decided(request: DRFRequest, signature: Signature) -> tuple[object, list[Status]] | None:

@@ -90,7 +90,7 @@ def run_code(source: str, where: str, namespace: dict[str, Any]) -> None:
 def smoke_limits() -> None:
     """Ask every configured limit once: the backend answers with these settings."""
     from django_tokenbucket import limiter
-    from django_tokenbucket.conf import tokenbucket_settings
+    from django_tokenbucket.settings import tokenbucket_settings
 
     for name in tokenbucket_settings.LIMITS:
         status = limiter.check(name, key="docs-smoke")

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from django_tokenbucket import clock as clock_module
 from django_tokenbucket.algorithms import CLOCK_SKEW_TOLERANCE, MAX_AMOUNT, MICRO, State
 from django_tokenbucket.backends.base import Outcome, Request, decide_all, row_id
-from django_tokenbucket.config import FIXED_WINDOW, TOKEN_BUCKET, LimitConfig
 from django_tokenbucket.keys import encode_key
+from django_tokenbucket.limits import FIXED_WINDOW, TOKEN_BUCKET, LimitConfig
 
 T0_US = 1_700_000_000 * MICRO
 

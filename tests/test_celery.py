@@ -44,11 +44,11 @@ from django_tokenbucket.celery import (
     current_reservation,
     max_eta,
     refund,
-    run_reservation,
     schedule,
     sweep,
 )
 from django_tokenbucket.models import Reservation
+from django_tokenbucket.tasks import run_reservation
 from django_tokenbucket.testing import frozen_clock
 
 from . import concurrency

@@ -144,7 +144,7 @@ def test_backend_not_a_string_is_an_error_not_a_crash(backend):
 
 def test_backend_that_is_not_a_backend_fails_the_check():
     # Importable, but not a BaseBackend: the check must say so, not the first request.
-    path = "django_tokenbucket.config.LimitConfig"
+    path = "django_tokenbucket.limits.LimitConfig"
     with override_settings(TOKENBUCKET=tokenbucket(BACKEND=path)):
         with pytest.raises(ImproperlyConfigured):
             limiter.limit("login", key="k")

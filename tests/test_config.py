@@ -12,13 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from django_tokenbucket.algorithms import MAX_AMOUNT, MICRO
-from django_tokenbucket.config import (
+from django_tokenbucket.keys import encode_key
+from django_tokenbucket.limits import (
     FIXED_WINDOW,
     TOKEN_BUCKET,
     LimitConfig,
     parse_limit,
 )
-from django_tokenbucket.keys import encode_key
 
 NAME = "my_limit"
 #: The largest whole number of tokens an amount may hold.

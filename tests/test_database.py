@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import pytest
 from django.conf import settings
@@ -11,6 +12,7 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from django_tokenbucket import BackendUnavailable, limiter
+from django_tokenbucket.backends.database import retrying
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
 
@@ -143,3 +145,34 @@ def test_serialization_failure_in_the_callers_transaction_propagates():
         # Outside a caller's transaction the limiter owns it, and simply succeeds.
         assert limiter.limit("ten_per_minute", "ser").value == 0
     connections["serializable"].close()
+
+
+@pytest.mark.only_on("postgres")
+def test_one_retry_policy_runs_a_collided_transaction_again_and_gives_up_after_retry_attempts():
+    """``retrying`` (decisions and cleanup batches): a real serialization failure is run
+    again; with ``RETRY_ATTEMPTS`` 1 it is raised, counted as given up."""
+    with frozen_clock(T0):
+        limiter.limit("ten_per_minute", "collide")
+    runs = []
+
+    def collide_on_first_run() -> int:
+        runs.append(1)
+        # The snapshot is taken by this read; another connection then changes the row,
+        # and this transaction's write of it fails with SQLSTATE 40001.
+        seen = RateLimit.objects.using("serializable").get(name="ten_per_minute")
+        if len(runs) == 1:
+            RateLimit.objects.using("default").filter(pk=seen.pk).update(value=seen.value + 1)
+        return RateLimit.objects.using("serializable").filter(pk=seen.pk).update(value=seen.value - 1)
+
+    retried, gave_up = Counter(), Counter()
+    try:
+        assert retrying("serializable", collide_on_first_run, retried=retried, gave_up=gave_up) == 1
+        assert (len(runs), dict(retried), dict(gave_up)) == (2, {"40001": 1}, {})
+
+        runs.clear()
+        with override_settings(TOKENBUCKET={**BASE_SETTINGS, "RETRY_ATTEMPTS": 1}):
+            with pytest.raises(OperationalError):
+                retrying("serializable", collide_on_first_run, retried=retried, gave_up=gave_up)
+        assert (len(runs), dict(retried), dict(gave_up)) == (1, {"40001": 1}, {"40001": 1})
+    finally:
+        connections["serializable"].close()

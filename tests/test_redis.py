@@ -33,8 +33,8 @@ from django_tokenbucket.algorithms import MICRO, State
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.base import Request
 from django_tokenbucket.backends.redis import MAX_TTL_MS, SCRIPT, RedisBackend, _client_retries, state_key
-from django_tokenbucket.config import LimitConfig, parse_limit
 from django_tokenbucket.keys import encode_key
+from django_tokenbucket.limits import LimitConfig, parse_limit
 from django_tokenbucket.testing import frozen_clock
 
 from . import parity

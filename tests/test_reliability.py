@@ -52,10 +52,10 @@ from django_tokenbucket.algorithms import MICRO
 from django_tokenbucket.backends import database as database_module
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.database import DatabaseBackend, error_code
-from django_tokenbucket.config import parse_limit
 from django_tokenbucket.decorators import ratelimit
 from django_tokenbucket.http import ratelimit_headers
 from django_tokenbucket.keys import encode_key
+from django_tokenbucket.limits import parse_limit
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
 from django_tokenbucket.throttling import AnonRateThrottle

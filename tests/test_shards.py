@@ -10,8 +10,8 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from django_tokenbucket.algorithms import MICRO
-from django_tokenbucket.config import MAX_SHARDS, parse_limit
 from django_tokenbucket.keys import encode_key
+from django_tokenbucket.limits import MAX_SHARDS, parse_limit
 from django_tokenbucket.shards import pick_two, shard_configs, shard_key, split
 
 

@@ -188,7 +188,7 @@ def test_fail_closed_warnings_are_rate_limited_too(failing_store, fake_time, cap
 
 def test_log_interval_is_a_known_setting():
     from django_tokenbucket.checks import check_settings
-    from django_tokenbucket.conf import DEFAULTS
+    from django_tokenbucket.settings import DEFAULTS
 
     assert DEFAULTS["LOG_INTERVAL"] == 10
     with override_settings(TOKENBUCKET={**BASE_SETTINGS, "LOG_INTERVAL": 30}):

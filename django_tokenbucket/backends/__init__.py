@@ -16,8 +16,8 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 from django.utils.module_loading import import_string
 
-from ..conf import tokenbucket_settings
-from ..config import DEFAULT_BACKEND_ALIAS
+from ..limits import DEFAULT_BACKEND_ALIAS
+from ..settings import tokenbucket_settings
 from .base import BaseBackend
 
 try:

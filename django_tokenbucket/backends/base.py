@@ -11,8 +11,8 @@ from asgiref.sync import sync_to_async
 from django.core import checks
 
 from ..algorithms import Decision, State
-from ..config import LimitConfig
 from ..keys import EncodedKey
+from ..limits import LimitConfig
 
 __all__ = [
     "BackendError",

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.core import checks
@@ -30,15 +30,23 @@ from django.db.models.expressions import RawSQL
 
 from .. import clock
 from ..algorithms import State
-from ..conf import tokenbucket_settings
-from ..config import LimitConfig
 from ..keys import EncodedKey
+from ..limits import LimitConfig
 from ..models import RateLimit
+from ..settings import tokenbucket_settings
 from .base import BackendError, BaseBackend, BucketPage, Outcome, Request, RowId, StoredBucket, decide_all, row_id
 from .deadline import Watch, watching
 from .postgresql import FUNCTION_NAME, UNDEFINED_FUNCTION, decide_in_server, is_postgresql
 
-__all__ = ["OPTION_DEFAULTS", "RETRYABLE_ERRORS", "DatabaseBackend", "error_code", "lost_answer", "timeout_option"]
+__all__ = [
+    "OPTION_DEFAULTS",
+    "RETRYABLE_ERRORS",
+    "DatabaseBackend",
+    "error_code",
+    "lost_answer",
+    "retrying",
+    "timeout_option",
+]
 
 logger = logging.getLogger("django_tokenbucket")
 
@@ -53,6 +61,53 @@ _NOW_SQL = {
 #: failures and deadlocks (PostgreSQL and distributed SQL), a unique violation from a
 #: creation race, InnoDB deadlocks and MariaDB's "record has changed".
 RETRYABLE_ERRORS = frozenset({"40001", "40P01", "23505", "1213", "1020"})
+
+
+T = TypeVar("T")
+
+
+def retrying(
+    alias: str,
+    work: Callable[[], T],
+    *,
+    atomic: bool = True,
+    retried: Counter[str] | None = None,
+    gave_up: Counter[str] | None = None,
+) -> T:
+    """Run ``work`` on database ``alias``, again after errors that only mean a collision.
+
+    The one retry policy of the package's database work (decisions, cleanup): up to
+    ``RETRY_ATTEMPTS`` runs, with full-jitter exponential backoff from
+    ``RETRY_BASE_DELAY`` capped at ``RETRY_MAX_DELAY`` (``RETRYABLE_ERRORS``: serialization
+    failures, deadlocks, creation races). Each run is a transaction of its own unless
+    ``atomic`` is false (a single autocommit statement is one already, and work that
+    opens its own may say so). ``retried`` and ``gave_up`` count by error code.
+    """
+    attempt = 0
+    while True:
+        try:
+            if not atomic:
+                return work()
+            with transaction.atomic(using=alias):
+                return work()
+        except DatabaseError as exc:
+            code = error_code(exc)
+            # A connection Django had to close (its rollback failed too) is lost, not
+            # in conflict: another attempt would reconnect outside the TIMEOUT watch.
+            if code not in RETRYABLE_ERRORS or connections[alias].connection is None:
+                raise
+            # The settings are read only here: every decision passes through this
+            # loop, and almost none fails.
+            if attempt >= max(1, int(tokenbucket_settings.RETRY_ATTEMPTS)) - 1:
+                if gave_up is not None:
+                    gave_up[code] += 1
+                raise
+            if retried is not None:
+                retried[code] += 1
+            cap = float(tokenbucket_settings.RETRY_MAX_DELAY)
+            # Full jitter: contenders that collided spread out instead of colliding again.
+            time.sleep(random.uniform(0, min(cap, float(tokenbucket_settings.RETRY_BASE_DELAY) * 2**attempt)))
+            attempt += 1
 
 
 #: The database backend's ``OPTIONS`` and their defaults (docs/settings.md).
@@ -400,31 +455,7 @@ class DatabaseBackend(BaseBackend):
             raise BackendError(f"database {alias!r}: {type(exc).__name__}: {exc}") from exc
 
     def _retrying(self, alias: str, work: Callable[[], Outcome], *, atomic: bool) -> Outcome:
-        """Run ``work`` (in a transaction of its own unless ``atomic`` is false: a single
-        autocommit statement is one already), again after retryable errors."""
-        attempt = 0
-        while True:
-            try:
-                if not atomic:
-                    return work()
-                with transaction.atomic(using=alias):
-                    return work()
-            except DatabaseError as exc:
-                code = error_code(exc)
-                # A connection Django had to close (its rollback failed too) is lost, not
-                # in conflict: another attempt would reconnect outside the TIMEOUT watch.
-                if code not in RETRYABLE_ERRORS or connections[alias].connection is None:
-                    raise
-                # The settings are read only here: every decision passes through this
-                # loop, and almost none fails.
-                if attempt >= max(1, int(tokenbucket_settings.RETRY_ATTEMPTS)) - 1:
-                    self.gave_up[code] += 1
-                    raise
-                self.retried[code] += 1
-                cap = float(tokenbucket_settings.RETRY_MAX_DELAY)
-                # Full jitter: contenders that collided spread out instead of colliding again.
-                time.sleep(random.uniform(0, min(cap, float(tokenbucket_settings.RETRY_BASE_DELAY) * 2**attempt)))
-                attempt += 1
+        return retrying(alias, work, atomic=atomic, retried=self.retried, gave_up=self.gave_up)
 
     def _consume(self, alias: str, requests: Sequence[Request]) -> Outcome:
         manager = RateLimit.objects.using(alias)

@@ -15,7 +15,7 @@ from importlib import resources
 from typing import Any
 
 from ..algorithms import Decision, lowest_value
-from ..config import FIXED_WINDOW
+from ..limits import FIXED_WINDOW
 from .base import Outcome, Request, RowId, row_id
 
 __all__ = [

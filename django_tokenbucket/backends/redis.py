@@ -56,9 +56,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .. import clock
 from ..algorithms import Decision, State
-from ..conf import tokenbucket_settings
-from ..config import FIXED_WINDOW, LimitConfig
 from ..keys import EncodedKey
+from ..limits import FIXED_WINDOW, LimitConfig
+from ..settings import tokenbucket_settings
 from . import is_django_redis
 from .base import BackendError, BaseBackend, BucketPage, Outcome, Request, RowId, StoredBucket, row_id
 

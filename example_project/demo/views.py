@@ -23,9 +23,10 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from django_tokenbucket import Status, limiter
 from django_tokenbucket.algorithms import MICRO
 from django_tokenbucket.celery import schedule
-from django_tokenbucket.conf import tokenbucket_settings
 from django_tokenbucket.decorators import UNSAFE, ratelimit
-from django_tokenbucket.http import default_response, request_key
+from django_tokenbucket.http import default_response
+from django_tokenbucket.request_keys import request_key
+from django_tokenbucket.settings import tokenbucket_settings
 
 from . import llm, tasks
 from .models import SummaryJob

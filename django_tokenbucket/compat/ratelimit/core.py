@@ -29,12 +29,12 @@ from ...algorithms import MICRO
 from ...api import Limiter, limiter
 from ...backends import get_backend, redis_backend
 from ...backends.base import BaseBackend
-from ...conf import tokenbucket_settings
-from ...config import LimitConfig
 from ...exceptions import BackendUnavailable
-from ...http import normalize_identity
 from ...ip import client_address, parse_ip
 from ...keys import encode_key
+from ...limits import LimitConfig
+from ...request_keys import normalize_identity
+from ...settings import tokenbucket_settings
 from ...status import Status
 from . import ALL, UNSAFE
 

@@ -39,13 +39,14 @@ from ...api import limiter
 from ...backends import backend_aliases, get_backend
 from ...backends.base import BackendError, BaseBackend, BucketPage, Request, StoredBucket
 from ...cleanup import MAX_BATCH_SIZE, CleanupReport, cleanup, database_alias, unknown_names
-from ...config import LimitConfig
-from ...http import key_from_text
 from ...keys import EncodedKey, encode_key
+from ...limits import LimitConfig
 from ...models import RateLimit
+from ...querysets import count_by_state
 from ...registry import KnownLimit, known_limits
+from ...request_keys import key_from_text
 from ...shards import shard_configs, shard_key
-from ...state import FULL, LIMITED, PARTIAL, LiveState, count_by_state, live_state, one_token, store_now
+from ...state import FULL, LIMITED, PARTIAL, LiveState, live_state, one_token, store_now
 from ...text import describe_rate, format_duration, format_tokens
 
 _JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"

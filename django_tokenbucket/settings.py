@@ -9,7 +9,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from .config import DEFAULT_BACKEND_ALIAS, LimitConfig, parse_limit
+from .limits import DEFAULT_BACKEND_ALIAS, LimitConfig, parse_limit
 
 __all__ = ["DEFAULTS", "BackendSettings", "tokenbucket_settings"]
 

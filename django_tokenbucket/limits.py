@@ -11,20 +11,21 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
-from . import algorithms
-from .algorithms import MAX_AMOUNT, MICRO, Decision, State
+from .algorithms import (
+    ALGORITHMS,
+    FIXED_WINDOW,
+    MAX_AMOUNT,
+    MICRO,
+    TOKEN_BUCKET,
+    Algorithm,
+    Decision,
+    State,
+    algorithm_named,
+)
 from .rates import parse_period, parse_rate, to_fraction
 
 __all__ = ["FIXED_WINDOW", "MAX_SHARDS", "TOKEN_BUCKET", "LimitConfig", "count_to_micro", "parse_limit", "to_micro"]
 
-TOKEN_BUCKET = "token bucket"
-FIXED_WINDOW = "fixed window"
-_KIND_ALIASES = {
-    "token bucket": TOKEN_BUCKET,
-    "token_bucket": TOKEN_BUCKET,
-    "fixed window": FIXED_WINDOW,
-    "fixed_window": FIXED_WINDOW,
-}
 _KNOWN_KEYS = {"kind", "rate", "period", "capacity", "max_reserved", "start", "shadow", "shards", "backend"}
 #: The alias of the backend a limit is stored on when it names none.
 DEFAULT_BACKEND_ALIAS = "default"
@@ -107,11 +108,19 @@ class LimitConfig:
         digest = hashlib.sha256(f"{self.name}\x00{key_digest}".encode()).digest()
         return int.from_bytes(digest[:8], "big") % self.period
 
+    @property
+    def algorithm(self) -> Algorithm:
+        """Return the arithmetic of this limit's kind."""
+        return ALGORITHMS[self.kind]
+
+    def _offset(self, algorithm: Algorithm, key_digest: str) -> int:
+        # Only phased kinds need it, and it costs a SHA-256 per call.
+        return self.window_offset(key_digest) if algorithm.phased else 0
+
     def fresh_state(self, key_digest: str) -> State:
         """Return the state of this limit for a key nobody has used."""
-        if self.kind == FIXED_WINDOW:
-            return algorithms.fresh_fixed_window(self.capacity, self.period, self.window_offset(key_digest))
-        return algorithms.fresh_token_bucket(self.capacity)
+        algorithm = ALGORITHMS[self.kind]
+        return algorithm.fresh(self.capacity, self.period, self._offset(algorithm, key_digest))
 
     def decide(
         self,
@@ -122,47 +131,30 @@ class LimitConfig:
         reserve: bool = False,
     ) -> Decision:
         """Run this limit's algorithm on ``state`` (None: a fresh key) at ``now``."""
+        algorithm = ALGORITHMS[self.kind]
+        offset = self._offset(algorithm, key_digest)
         if state is None:
-            state = self.fresh_state(key_digest)
-        if self.kind == FIXED_WINDOW:
-            return algorithms.fixed_window(
-                state,
-                now,
-                count,
-                rate=self.rate,
-                period=self.period,
-                capacity=self.capacity,
-                offset=self.window_offset(key_digest),
-                reserve=reserve,
-                max_reserved=self.max_reserved,
-            )
-        return algorithms.token_bucket(
+            state = algorithm.fresh(self.capacity, self.period, offset)
+        return algorithm.decide(
             state,
             now,
             count,
             rate=self.rate,
             period=self.period,
             capacity=self.capacity,
+            offset=offset,
             reserve=reserve,
             max_reserved=self.max_reserved,
         )
 
     def refund(self, state: State | None, now: int, amount: int, key_digest: str) -> State:
         """Return ``state`` once ``amount`` micro-tokens are given back at ``now`` (capped at capacity)."""
+        algorithm = ALGORITHMS[self.kind]
+        offset = self._offset(algorithm, key_digest)
         if state is None:
-            state = self.fresh_state(key_digest)
-        if self.kind == FIXED_WINDOW:
-            return algorithms.fixed_window_refund(
-                state,
-                now,
-                amount,
-                rate=self.rate,
-                period=self.period,
-                capacity=self.capacity,
-                offset=self.window_offset(key_digest),
-            )
-        return algorithms.token_bucket_refund(
-            state, now, amount, rate=self.rate, period=self.period, capacity=self.capacity
+            state = algorithm.fresh(self.capacity, self.period, offset)
+        return algorithm.refund(
+            state, now, amount, rate=self.rate, period=self.period, capacity=self.capacity, offset=offset
         )
 
     def validate_count(self, count: object, reserve: bool) -> int:
@@ -236,9 +228,11 @@ def _parse_spec(name: str, spec: object) -> LimitConfig:
             f"expected some of {', '.join(sorted(_KNOWN_KEYS))}"
         )
     kind_given = spec.get("kind", TOKEN_BUCKET)
-    kind = _KIND_ALIASES.get(kind_given) if isinstance(kind_given, str) else None
-    if kind is None:
-        raise ValueError(f"kind must be 'token bucket' or 'fixed window', not {kind_given!r}")
+    algorithm = algorithm_named(kind_given) if isinstance(kind_given, str) else None
+    if algorithm is None:
+        kinds = " or ".join(map(repr, ALGORITHMS))
+        raise ValueError(f"kind must be {kinds}, not {kind_given!r}")
+    kind = algorithm.name
 
     if "rate" not in spec:
         raise ValueError("'rate' is required (e.g. 'rate': '10/m', or 'rate': 10 with 'period': 60)")
@@ -281,8 +275,9 @@ def _parse_spec(name: str, spec: object) -> LimitConfig:
 
     start = None
     if spec.get("start") is not None:
-        if kind != FIXED_WINDOW:
-            raise ValueError("'start' applies to fixed windows only")
+        if not algorithm.phased:
+            phased = " and ".join(repr(a.name) for a in ALGORITHMS.values() if a.phased)
+            raise ValueError(f"'start' applies to kinds with windows ({phased}) only, not {kind!r}")
         start_given = spec["start"]
         if isinstance(start_given, timedelta):
             start_s = Fraction(start_given // timedelta(microseconds=1), MICRO)

@@ -1,0 +1,137 @@
+"""The package's shape: no import cycle between its modules, and imports at module level.
+
+An import inside a function hides a cycle or an optional dependency; each one left
+carries a comment saying why (issue 20). The graph is read from the source (AST), so a
+cycle that happens to load in today's import order still fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "django_tokenbucket"
+MAX_FUNCTION_LEVEL_IMPORTS = 5
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, tuple[Path, ast.Module]]:
+    return {
+        _module_name(path): (path, ast.parse(path.read_text(), str(path)))
+        for path in PACKAGE.rglob("*.py")
+        if "migrations" not in path.parts
+    }
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    # "from . import x" and "from .pkg import module" may name modules.
+    return [target] + [f"{target}.{alias.name}" for alias in node.names]
+
+
+def _top_level_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Imports run when the module is imported: its body, and its if/try blocks."""
+    found: list[ast.stmt] = []
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, (ast.If, ast.Try)):
+            if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+                continue
+            pending.extend(node.body)
+            pending.extend(node.orelse)
+            if isinstance(node, ast.Try):
+                for handler in node.handlers:
+                    pending.extend(handler.body)
+                pending.extend(node.finalbody)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, (path, tree) in modules.items():
+        for node in _top_level_imports(tree):
+            if isinstance(node, ast.ImportFrom):
+                targets = _resolve(name, path.name == "__init__.py", node)
+            else:
+                targets = [alias.name for alias in node.names]
+            graph[name].update(target for target in targets if target in modules and target != name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph[node]):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_level_import_cycle():
+    # A package imports its parent package's __init__ first: those edges are not cycles.
+    graph = _graph()
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_imports_inside_functions_are_few_and_each_says_why():
+    inside = []
+    for name, (path, tree) in _modules().items():
+        lines = path.read_text().splitlines()
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    line = node.lineno - 1
+                    above = lines[line - 1].strip()
+                    comment = lines[line].partition("#")[2].strip() or (above[1:].strip() if above.startswith("#") else "")
+                    inside.append((f"{name}:{node.lineno}", comment))
+    assert len(inside) <= MAX_FUNCTION_LEVEL_IMPORTS, inside
+    assert [where for where, why in inside if not why] == []
