@@ -141,3 +141,37 @@ def redis_store():
     delete_keys()
     yield {"BACKEND": "django_tokenbucket.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "redis"}}
     delete_keys()
+
+
+#: Beside the test settings' limits, for the admin's and the command's cases on every
+#: backend: a sharded limit, and one whose name the Redis backend hashes (it is not made
+#: of [A-Za-z0-9_.-]).
+OPS_LIMITS = {"hot": {"rate": "40/m", "shards": 4}, "odd name/ü": "5/m"}
+
+
+@pytest.fixture(params=["database", "redis"])
+def ops_store(request):
+    """The default backend for the admin's and the command's shared cases: the database or
+    Redis (test_redis_cluster.py overrides it with a cluster)."""
+    from django.test import override_settings
+
+    from .settings import TOKENBUCKET as BASE_SETTINGS
+
+    overrides = {"BACKEND": "django_tokenbucket.backends.database.DatabaseBackend"}
+    if request.param == "redis":
+        overrides = request.getfixturevalue("redis_store")
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, **overrides}):
+        yield request.param
+
+
+@pytest.fixture
+def ops(ops_store):
+    """OPS_LIMITS added to the store's settings, at a pinned time."""
+    from django.test import override_settings
+
+    from django_tokenbucket.testing import frozen_clock
+
+    current = settings.TOKENBUCKET
+    with override_settings(TOKENBUCKET={**current, "LIMITS": {**current["LIMITS"], **OPS_LIMITS}}):
+        with frozen_clock(1_700_000_000.0) as clock:
+            yield clock

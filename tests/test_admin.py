@@ -401,3 +401,122 @@ def test_state_filter_agrees_with_the_value_derived_now(data):
     for name, counts in counted.items():
         mine = [state for pk, state in expected.items() if names[pk] == name]
         assert counts == {"stored": len(mine), **{state: mine.count(state) for state in (LIMITED, PARTIAL, FULL)}}
+
+
+# -- every backend: the buckets views (run on Redis Cluster too, by test_redis_cluster.py) ---
+
+BUCKETS = f"{CHANGELIST}buckets/default/"
+
+
+def digests_listed(content: str) -> list[str]:
+    return re.findall(r"digest=([0-9a-f]{64})", content)
+
+
+def all_pages(client: Client, name: str, **search: str) -> tuple[list[str], int]:
+    """Every digest listed for ``name``, following the "Next page" links; and the pages read."""
+    url, query, found, pages = BUCKETS, {"name": name, **search}, [], 0
+    while True:
+        response = client.get(url, query)
+        assert response.status_code == 200
+        content = response.content.decode()
+        found += digests_listed(content)
+        pages += 1
+        following = re.search(r'href="([^"]+)" class="tb-next-page"', content)
+        if following is None:
+            return found, pages
+        url, query = following.group(1).replace("&amp;", "&"), {}
+
+
+def test_buckets_of_every_backend_page_by_page(ops, monkeypatch):
+    monkeypatch.setattr(tb_admin.RateLimitAdmin, "bucket_page_size", 10)
+    keys = [f"user{i}" for i in range(35)]
+    for key in keys:
+        limiter.limit("ten_per_minute", key, count=4)
+    client = client_for(make_user("viewer", "view_ratelimit"))
+    found, pages = all_pages(client, "ten_per_minute")
+    # More keys than a page holds: several pages, every key listed once.
+    assert sorted(set(found)) == sorted(encode_key(key).digest for key in keys)
+    assert pages >= 2
+    # A digest prefix is searched page by page too (on Redis a SCAN with its own MATCH).
+    wanted = encode_key("user7").digest
+    assert set(all_pages(client, "ten_per_minute", q=wanted[:9])[0]) == {wanted}
+    first = client.get(BUCKETS, {"name": "ten_per_minute"}).content.decode()
+    assert "6.00 of 10" in first and "in 24 s" in first  # the value now and when full again
+    assert 'name="_selected_action"' not in first  # a viewer gets no reset controls
+
+
+def test_the_banner_says_what_a_backend_cannot_show(ops, ops_store):
+    limiter.limit("ten_per_minute", "alice")
+    content = client_for(make_user("root", superuser=True)).get(BUCKETS, {"name": "ten_per_minute"}).content.decode()
+    if ops_store == "database":
+        # Rows keep labels and are counted by index: nothing to warn about.
+        assert 'class="tb-elsewhere"' not in content and ">alice<" in content
+    else:
+        assert "RedisBackend keeps no readable key labels: keys show as their digest" in content
+        assert "Keys are not counted or filtered by state here" in content
+        assert ">alice<" not in content and encode_key("alice").digest[:12] in content
+
+
+def test_search_inspect_and_reset_one_key(ops):
+    limiter.limit("odd name/ü", "alice", count=5)
+    limiter.limit("odd name/ü", "bob", count=2)
+    root = make_user("operator", "reset_ratelimit")
+    client = client_for(root)
+    digest = encode_key("alice").digest
+    for term in ("alice", digest, digest[:10]):
+        found = client.get(BUCKETS, {"name": "odd name/ü", "q": term}).content.decode()
+        assert set(digests_listed(found)) == {digest}, term
+    detail = client.get(f"{BUCKETS}key/", {"name": "odd name/ü", "digest": digest}).content.decode()
+    assert "Tokens now</th><td>0</td>" in detail and "Full again</th><td>in 1 min<br>" in detail
+    assert "Next token</th><td>in 12 s</td>" in detail and "Stored ts (µs since the epoch)</th><td>1700000000000000<" in detail
+    assert digest in detail and "Reset this key" in detail
+    assert client.get(f"{BUCKETS}reset/").status_code == 405
+    response = client.post(f"{BUCKETS}reset/", {"name": "odd name/ü", "_selected_action": [digest]})
+    assert response.status_code == 302
+    assert limiter.get_value("odd name/ü", "alice") == 5 and limiter.get_value("odd name/ü", "bob") == 3
+    entry = LogEntry.objects.get()
+    assert (entry.user_id, entry.action_flag, entry.object_id) == (root.pk, DELETION, f"default:odd name/ü:{digest}")
+
+
+def test_reset_every_key_of_a_sharded_limit_after_a_confirmation(ops):
+    for key in ("alice", "bob", "carol"):
+        limiter.limit("hot", key, count=15)
+        limiter.limit("ten_per_minute", key)
+    client = client_for(make_user("operator", "reset_ratelimit"))
+    # A sharded key is found by the key as callers give it: its shards are listed.
+    shards = digests_listed(client.get(BUCKETS, {"name": "hot", "q": "alice"}).content.decode())
+    assert 1 <= len(set(shards)) <= 2
+    asked = client.post(f"{BUCKETS}reset/", {"name": "hot", "all": "1"})
+    assert asked.status_code == 200 and "Reset every stored key of “hot”" in asked.content.decode()
+    assert limiter.get_value("hot", "alice") < 40  # nothing reset before the confirmation
+    done = client.post(f"{BUCKETS}reset/", {"name": "hot", "all": "1", "confirm": "yes"})
+    assert done.status_code == 302
+    assert all(limiter.get_value("hot", key) == 40 for key in ("alice", "bob", "carol"))
+    assert limiter.get_value("ten_per_minute", "alice") == 9  # another limit: untouched
+    assert digests_listed(client.get(BUCKETS, {"name": "hot"}).content.decode()) == []
+    assert "Reset all" in LogEntry.objects.get().change_message
+
+
+def test_resets_need_the_permission_post_and_csrf(ops):
+    limiter.limit("ten_per_minute", "alice", count=10)
+    digest = encode_key("alice").digest
+    form = {"name": "ten_per_minute", "_selected_action": [digest]}
+    assert Client().get(BUCKETS).status_code == 302  # to the login page
+    assert client_for(make_user("staff")).get(BUCKETS).status_code == 403
+    viewer = client_for(make_user("viewer", "view_ratelimit"))
+    assert viewer.post(f"{BUCKETS}reset/", form).status_code == 403
+    assert viewer.post(f"{BUCKETS}reset/", {"name": "ten_per_minute", "all": "1", "confirm": "yes"}).status_code == 403
+    strict = client_for(make_user("root", superuser=True), enforce_csrf_checks=True)
+    assert strict.post(f"{BUCKETS}reset/", form).status_code == 403
+    assert limiter.get_value("ten_per_minute", "alice") == 0 and not LogEntry.objects.exists()
+    page = strict.get(BUCKETS, {"name": "ten_per_minute"}).content.decode()
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page).group(1)
+    assert strict.post(f"{BUCKETS}reset/", {**form, "csrfmiddlewaretoken": token}).status_code == 302
+    assert limiter.get_value("ten_per_minute", "alice") == 10
+
+
+def test_unknown_backends_limits_and_cursors_are_not_found(ops):
+    client = client_for(make_user("root", superuser=True))
+    assert client.get(f"{CHANGELIST}buckets/nowhere/").status_code == 404
+    assert client.get(BUCKETS, {"name": "no_such_limit"}).status_code == 404
+    assert client.get(BUCKETS, {"name": "login", "cursor": "not a cursor"}).status_code in (200, 404)

@@ -18,6 +18,7 @@ from django_redis import get_redis_connection
 
 from django_tokenbucket import LimitRequest, limiter
 from django_tokenbucket.backends import get_backend
+from django_tokenbucket.backends.redis import RedisBackend
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
 
@@ -101,20 +102,26 @@ def test_the_command_shows_and_resets_a_key_on_its_backend(name):
     limiter.limit(name, "dave", count=2)
     shown = run("show", name, "dave")
     assert f"tokens now:   {capacity - 2}" in shown
-    # Sharded or not, the database says whether the key has rows; Redis keeps none to count.
-    assert ("stored row:   yes" in shown) == name.startswith("orders")
+    # Sharded or not, each backend says whether the key has stored state (rows, keys).
+    assert "stored row:   yes" in shown
     assert "Reset" in run("reset", name, "dave")
     assert limiter.get_value(name, "dave") == capacity
     with pytest.raises(CommandError, match="nothing matched"):
         run("reset", name, "dave")
 
 
-def test_resetting_every_key_needs_a_backend_that_lists_them():
-    limiter.limit("api", "erin")
-    with pytest.raises(CommandError, match=r"'api' is stored on RedisBackend; give a key"):
-        run("reset", "api", "--yes")
-    limiter.limit("orders", "erin")
-    assert "Reset 1 key(s) of orders" in run("reset", "orders", "--yes")
+def test_every_key_of_a_limit_is_reset_on_its_own_backend():
+    for key in ("erin", "fay"):
+        limiter.limit("api", key)
+        limiter.limit("api_hot", key)
+        limiter.limit("orders", key)
+    listing = run("list")
+    assert re.search(r"^api +token bucket: 3 per minute.*  2 stored key\(s\) on 'fast'$", listing, re.M)
+    assert re.search(r"^orders +token bucket: 3 per minute.*  2 stored key\(s\) on 'default'$", listing, re.M)
+    assert "Reset 2 key(s) of api:" in run("reset", "api", "--yes")
+    assert limiter.get_value("api", "erin") == 3 and limiter.get_value("api_hot", "erin") < 40
+    assert "Reset 2 key(s) of orders" in run("reset", "orders", "--yes")
+    assert list(RateLimit.objects.all()) == []
 
 
 @pytest.fixture
@@ -138,13 +145,17 @@ async def test_the_async_api_in_an_event_loop_on_both_stores(close_async_connect
         await limiter.alimit_many([("orders", "frank"), ("api", "frank")])
 
 
-def test_the_admin_says_which_limits_it_cannot_list():
+def test_the_admin_links_the_limits_stored_on_another_backend():
     limiter.limit("api", "gina")
     limiter.limit("orders", "gina")
-    page = client_for(make_user("root", superuser=True)).get(CHANGELIST).content.decode()
+    client = client_for(make_user("root", superuser=True))
+    page = client.get(CHANGELIST).content.decode()
     assert "The limits on backend “fast” (RedisBackend) are not stored in this database" in page
-    assert "not listed here: api, api_hot." in page and "tokenbucket show|reset NAME --key SPEC=VALUE" in page
+    assert "not listed here: api, api_hot." in page
+    assert f'href="{CHANGELIST}buckets/fast/"' in page and "keeps no readable key labels" in page
     assert page.count('class="tb-elsewhere"') == 1  # the default alias is the database: listed
+    redis_page = client.get(f"{CHANGELIST}buckets/fast/", {"name": "api"}).content.decode()
+    assert redis_page.count('name="_selected_action"') == 1
 
 
 def test_check_reports_a_view_whose_throttles_span_two_backends():
@@ -162,3 +173,39 @@ def test_a_runtime_error_names_the_alias_setting_to_fix():
         with pytest.raises(ImproperlyConfigured, match=re.escape("TOKENBUCKET['BACKENDS']['fast']['OPTIONS']['CACHE'] = 'ratelimt'")):
             limiter.limit("api", "hank")
         assert limiter.limit("orders", "hank").ok  # the other store is unaffected
+
+
+def test_the_limits_overview_names_each_limits_backend_and_links_its_keys():
+    limiter.limit("api", "ida")
+    limiter.limit("orders", "ida")
+    client = client_for(make_user("root", superuser=True))
+    overview = client.get(f"{CHANGELIST}limits/").content.decode()
+    api_row = re.search(r'<tr>\s*<th scope="row"><a href="[^"]*limits/api/">api</a>.*?</tr>', overview, re.S).group(0)
+    assert "<td>fast</td>" in api_row and "not counted" in api_row and "buckets/fast/?name=api" in api_row
+    orders_row = re.search(r'<th scope="row"><a href="[^"]*limits/orders/">orders</a>.*?</tr>', overview, re.S).group(0)
+    assert "<td>default</td>" in orders_row and ">1</a>" in orders_row
+    one = client.get(f"{CHANGELIST}limits/api/").content.decode()
+    assert "not counted (list them)" in one and "buckets/fast/?name=api" in one and "partially used" not in one
+
+
+class OpaqueBackend(RedisBackend):
+    """A backend that does not declare listing (as a third-party one may not)."""
+
+    lists_buckets = False
+
+
+def test_a_backend_that_cannot_list_gets_a_banner_and_clear_command_errors():
+    backends = {**TWO_STORES["BACKENDS"], "opaque": {"BACKEND": f"{__name__}.OpaqueBackend", "OPTIONS": {"CACHE": "redis"}}}
+    limits = {**TWO_STORES["LIMITS"], "secret": {"rate": "3/m", "backend": "opaque"}}
+    with override_settings(TOKENBUCKET={**TWO_STORES, "BACKENDS": backends, "LIMITS": limits}):
+        limiter.limit("secret", "jo")
+        client = client_for(make_user("root", superuser=True))
+        page = client.get(CHANGELIST).content.decode()
+        assert "OpaqueBackend cannot list its buckets: inspect or reset one key with" in page
+        assert 'href="/admin/django_tokenbucket/ratelimit/buckets/opaque/"' not in page
+        own = client.get(f"{CHANGELIST}buckets/opaque/", {"name": "secret"}).content.decode()
+        assert "OpaqueBackend cannot list its buckets" in own and 'id="result_list"' not in own
+        assert re.search(r"^secret .*  stored keys not counted \(OpaqueBackend cannot list them\) on 'opaque'$", run("list"), re.M)
+        with pytest.raises(CommandError, match=r"'secret' is stored on backend 'opaque' \(OpaqueBackend\), which cannot list"):
+            run("reset", "secret", "--yes")
+        assert "Reset secret key 'jo'" in run("reset", "secret", "jo")  # one key: no listing needed

@@ -252,3 +252,67 @@ def test_djangos_options_work_after_the_subcommand():
     result = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
     assert result.returncode == 0, result.stderr
     assert "login" in result.stdout
+
+
+# -- every backend (run on Redis Cluster too, by test_redis_cluster.py) -------------------
+
+def test_list_counts_the_keys_of_each_limit_on_its_backend(ops):
+    for i in range(25):
+        limiter.limit("odd name/ü", f"k{i}")
+    for key in ("a", "b"):
+        limiter.limit("hot", key, count=15)
+    lines = {line.split("  ")[0].strip(): line for line in run("list").splitlines()}
+    assert lines["odd name/ü"].endswith("  25 stored key(s) on 'default'")
+    # 15 tokens of a shard holding 10: each call took from two shards, two buckets a key.
+    assert lines["hot"].endswith("  4 stored key(s) on 'default'")
+    assert lines["login"].endswith("  0 stored key(s) on 'default'")
+
+
+def test_show_summarises_and_shows_one_key_on_every_backend(ops):
+    limiter.limit("ten_per_minute", "empty", count=10)
+    limiter.limit("ten_per_minute", "partial", count=4)
+    limiter.limit("hot", "alice", count=15)
+    summary = run("show", "ten_per_minute")
+    assert "stored keys:     2" in summary and "limited now:     1" in summary and "partially used:  1" in summary
+    one = run("show", "ten_per_minute", "partial")
+    assert "tokens now:   6 of 10" in one and "stored row:   yes" in one
+    digest = encode_key("empty").digest
+    by_digest = run("show", "ten_per_minute", digest[:10], "--digest")
+    assert f"(digest {digest})" in by_digest and "tokens now:   0 of 10" in by_digest
+    # A sharded limit: the key as callers give it reads the sum of its shards.
+    sharded = run("show", "hot", "alice")
+    assert "tokens now:   25 of 40" in sharded and "stored row:   yes" in sharded
+    assert "stored row:   no (a fresh key)" in run("show", "hot", "nobody")
+
+
+def test_reset_one_key_and_every_key_on_every_backend(ops):
+    for key in ("a", "b", "c"):
+        limiter.limit("odd name/ü", key, count=5)
+        limiter.limit("hot", key, count=15)
+    limiter.limit("ten_per_minute", "other")
+    assert "Reset odd name/ü key 'a'" in run("reset", "odd name/ü", "a")
+    assert limiter.get_value("odd name/ü", "a") == 5 and limiter.get_value("odd name/ü", "b") == 0
+    digest = encode_key("b").digest
+    # Shown by its label where the store keeps one (the database), else by its digest.
+    reset = run("reset", "odd name/ü", digest[:12], "--digest")
+    assert reset in ("Reset odd name/ü key b: it starts full again.\n", f"Reset odd name/ü key {digest}: it starts full again.\n")
+    assert limiter.get_value("odd name/ü", "b") == 5
+    assert "Reset hot key 'a'" in run("reset", "hot", "a")
+    assert limiter.get_value("hot", "a") == 40
+    # 15 tokens of a shard holding 10: each call took from two shards, two buckets a key.
+    with pytest.raises(CommandError, match="refusing to reset all 4 keys of 'hot' without --yes"):
+        run("reset", "hot", "--no-input")
+    assert "Reset 4 key(s) of hot" in run("reset", "hot", "--yes")
+    assert limiter.get_value("hot", "b") == 40 and limiter.get_value("hot", "c") == 40
+    assert "Reset 1 key(s) of odd name/ü" in run("reset", "odd name/ü", "--yes")
+    assert limiter.get_value("odd name/ü", "c") == 5
+    assert limiter.get_value("ten_per_minute", "other") == 9  # another limit: untouched
+    assert "no keys are stored" in run("reset", "hot", "--yes")
+
+
+def test_cleanup_runs_where_buckets_are_rows(ops, ops_store):
+    output = run("cleanup")
+    if ops_store == "database":
+        assert "Deleted 0 idle row(s)" in output
+    else:
+        assert "Backend 'default' (RedisBackend): its keys expire when their bucket is full again" in output

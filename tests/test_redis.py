@@ -548,3 +548,68 @@ def test_a_missing_cache_alias_names_the_setting_to_fix():
     with override_settings(TOKENBUCKET=typo):
         with pytest.raises(ImproperlyConfigured, match=r"TOKENBUCKET\['OPTIONS'\]\['CACHE'\] = 'ratelimt' is not an alias"):
             limiter.limit("login", "k")
+
+
+# ---------------------------------------------------------------------------------------
+# Listing, counting and resetting a whole limit (the admin's and the command's operations)
+# ---------------------------------------------------------------------------------------
+
+
+def hashing_key_function(key: str, key_prefix: str, version: int) -> str:
+    """A KEY_FUNCTION that keeps nothing of the key readable."""
+    return hashlib.sha256(f"{key_prefix}:{version}:{key}".encode()).hexdigest()
+
+
+def test_listing_escapes_a_key_prefix_with_glob_characters(redis_store):
+    # "a*" unescaped would match the keys of "ab", a neighbour's prefix; VERSION is part of the key.
+    base = settings.CACHES["redis"]
+    caches_with_globs = {
+        **settings.CACHES,
+        "globby": {**base, "KEY_PREFIX": f"{base['KEY_PREFIX']}:a*[?]", "VERSION": 3},
+        "neighbour": {**base, "KEY_PREFIX": f"{base['KEY_PREFIX']}:ab[x]", "VERSION": 3},
+    }
+    config = parse_limit("ten_per_minute", BASE_SETTINGS["LIMITS"]["ten_per_minute"])
+    with override_settings(CACHES=caches_with_globs), frozen_clock(T0):
+        globby, neighbour = RedisBackend({"CACHE": "globby"}), RedisBackend({"CACHE": "neighbour"})
+        for backend, keys in ((globby, ["alice", "bob"]), (neighbour, ["carol"])):
+            for key in keys:
+                backend.decide([Request(config, encode_key(key), MICRO)], apply=True)
+        assert globby.key(config, encode_key("alice")).startswith(f"{base['KEY_PREFIX']}:a*[?]:3:tokenbucket:")
+        listed = globby.list_buckets(config)
+        assert sorted(b.digest for b in listed.buckets) == sorted(encode_key(k).digest for k in ("alice", "bob"))
+        assert listed.cursor is None and all(b.state == State(9 * MICRO, T0_US) for b in listed.buckets)
+        assert globby.count_buckets([config]) == {"ten_per_minute": 2}
+        assert globby.reset_all(config) == 2
+        assert neighbour.count_buckets([config]) == {"ten_per_minute": 1}  # untouched
+
+
+def test_a_key_function_that_hides_the_key_cannot_list(redis_store):
+    hashing = {**settings.CACHES["redis"], "KEY_FUNCTION": f"{__name__}.hashing_key_function"}
+    config = parse_limit("ten_per_minute", BASE_SETTINGS["LIMITS"]["ten_per_minute"])
+    with override_settings(CACHES={**settings.CACHES, "hashing": hashing}):
+        backend = RedisBackend({"CACHE": "hashing"})
+        backend.decide([Request(config, ALICE, MICRO)], apply=True)  # deciding works
+        with pytest.raises(ImproperlyConfigured, match=r"CACHES\['hashing'\]\['KEY_FUNCTION'\] does not keep"):
+            backend.list_buckets(config)
+        backend.reset(config, ALICE)
+
+
+def test_a_bad_cursor_or_digest_prefix_is_a_clear_error(backend):
+    config = parse_limit("ten_per_minute", BASE_SETTINGS["LIMITS"]["ten_per_minute"])
+    with pytest.raises(ValueError, match=r"rate limit 'ten_per_minute': 'x 1' is not a cursor"):
+        backend.list_buckets(config, cursor="x 1")
+    with pytest.raises(ValueError, match="a digest prefix is lowercase hex"):
+        backend.list_buckets(config, digest_prefix="ABC*")
+    with pytest.raises(ValueError, match="batch_size must be between 1 and 1000"):
+        backend.reset_all(config, batch_size=0)
+
+
+@pytest.mark.redis_processes
+def test_listing_through_a_client_that_decodes_responses():
+    with private_redis(CONNECTION_POOL_KWARGS={"decode_responses": True}), frozen_clock(T0):
+        limiter.limit("login", "decoded", count=2)
+        backend = get_backend()
+        config = parse_limit("login", BASE_SETTINGS["LIMITS"]["login"])
+        [bucket] = backend.list_buckets(config).buckets
+        assert bucket.digest == encode_key("decoded").digest and bucket.state.value == 3 * MICRO
+        assert backend.reset_all(config) == 1 and limiter.get_value("login", "decoded") == 5

@@ -28,6 +28,19 @@ from django_tokenbucket.testing import frozen_clock
 from .concurrency import hammer, run_processes, sized, summarise
 from .redis_servers import LocalCluster, keys_without_ttl
 from .settings import TOKENBUCKET as BASE_SETTINGS
+from .test_admin import (  # noqa: F401  (the admin's cases on every backend, run here on the cluster)
+    test_buckets_of_every_backend_page_by_page,
+    test_reset_every_key_of_a_sharded_limit_after_a_confirmation,
+    test_resets_need_the_permission_post_and_csrf,
+    test_search_inspect_and_reset_one_key,
+    test_the_banner_says_what_a_backend_cannot_show,
+)
+from .test_command import (  # noqa: F401  (the command's cases on every backend)
+    test_cleanup_runs_where_buckets_are_rows,
+    test_list_counts_the_keys_of_each_limit_on_its_backend,
+    test_reset_one_key_and_every_key_on_every_backend,
+    test_show_summarises_and_shows_one_key_on_every_backend,
+)
 from .test_conformance import *  # noqa: F403  (the conformance suite, run here on the cluster)
 
 pytestmark = pytest.mark.redis_processes
@@ -72,6 +85,37 @@ def backend(cluster):
 @pytest.fixture
 def redis_backend(backend) -> RedisBackend:
     return get_backend()
+
+
+@pytest.fixture
+def ops_store(backend, transactional_db):
+    """The store of the admin's and the command's shared cases (conftest.py): the cluster."""
+    return "redis"
+
+
+def test_listing_pages_through_every_primary_and_resets_them_all(cluster, redis_backend):
+    config = limiter.resolve("ten_per_minute")
+    with frozen_clock(T0):
+        for user in range(300):
+            limiter.limit("ten_per_minute", user)
+        limiter.limit("login", "other")
+    per_node = [server.client().dbsize() for server in masters(cluster)]
+    assert len(per_node) == 3 and all(n > 0 for n in per_node)
+    digests, cursor, pages, largest = [], None, 0, 0
+    while True:
+        page = redis_backend.list_buckets(config, cursor=cursor, page_size=20)
+        digests += [bucket.digest for bucket in page.buckets]
+        pages += 1
+        largest = max(largest, len(page.buckets))
+        if page.cursor is None:
+            break
+        cursor = page.cursor
+    # Every key, although they lie on three primaries; in pages of about 20 (COUNT is a hint to SCAN).
+    assert sorted(set(digests)) == sorted(encode_key(user).digest for user in range(300))
+    assert pages >= 300 // 60 and largest <= 60
+    assert redis_backend.count_buckets([config, limiter.resolve("login")]) == {"ten_per_minute": 300, "login": 1}
+    assert redis_backend.reset_all(config, batch_size=50) == 300
+    assert redis_backend.count_buckets([config, limiter.resolve("login")]) == {"ten_per_minute": 0, "login": 1}
 
 
 def masters(cluster: LocalCluster):

@@ -14,7 +14,16 @@ from ..algorithms import Decision, State
 from ..keys import EncodedKey
 from ..limits import LimitConfig
 
-__all__ = ["BackendError", "BaseBackend", "Outcome", "Request", "decide_all", "row_id"]
+__all__ = [
+    "BackendError",
+    "BaseBackend",
+    "BucketPage",
+    "Outcome",
+    "Request",
+    "StoredBucket",
+    "decide_all",
+    "row_id",
+]
 
 RowId = tuple[str, str]
 
@@ -34,6 +43,29 @@ class Outcome:
     """The decisions for a list of requests, in order, and the store time they used."""
 
     decisions: list[Decision]
+    now: int
+
+
+@dataclass(frozen=True)
+class StoredBucket:
+    """One stored bucket of a limit: its key's digest, a readable label if kept, its state."""
+
+    digest: str
+    #: The key as the admin shows it (client addresses, user ids); "" when the store
+    #: keeps none (the Redis backend) or the key is a secret (request data).
+    label: str
+    state: State
+
+
+@dataclass(frozen=True)
+class BucketPage:
+    """A page of a limit's stored buckets (``BaseBackend.list_buckets``)."""
+
+    buckets: list[StoredBucket]
+    #: Where the next page starts (pass it back as ``cursor``); None after the last page.
+    #: A page may hold fewer buckets than asked for, even none, and still have a next one.
+    cursor: str | None
+    #: The store's clock when the page was read, in µs since the epoch.
     now: int
 
 
@@ -105,8 +137,19 @@ class BaseBackend(ABC):
     What a backend can do beyond deciding is declared here, so that the rest of the
     package asks instead of testing for a class: ``database_alias()`` (its buckets are
     ``RateLimit`` rows there, its decisions join that database's transactions),
-    ``store_now()`` (its clock), ``refund()``.
+    ``store_now()`` (its clock), ``refund()``, and the operations of the admin and the
+    command: ``list_buckets()``, ``count_buckets()``, ``reset_all()`` when
+    ``lists_buckets`` says so.
     """
+
+    #: Its buckets can be listed page by page (``list_buckets``), counted
+    #: (``count_buckets``) and all reset at once (``reset_all``).
+    lists_buckets: ClassVar[bool] = False
+    #: It keeps a readable label beside each bucket's digest (client address, user id).
+    keeps_labels: ClassVar[bool] = False
+    #: Counting its buckets reads an index; otherwise it walks the whole store, which
+    #: the admin does not do on a page view.
+    counts_cheaply: ClassVar[bool] = False
 
     #: The OPTIONS this backend takes; others are an error (``check_options``). None
     #: leaves them unchecked, for a backend that does not say.
@@ -153,6 +196,25 @@ class BaseBackend(ABC):
     def store_now(self) -> int:
         """Return the store's clock, in microseconds since the epoch."""
         raise NotImplementedError(f"{type(self).__name__} does not say what time its store has")
+
+    def list_buckets(
+        self, config: LimitConfig, *, cursor: str | None = None, page_size: int = 100, digest_prefix: str = ""
+    ) -> BucketPage:
+        """Return a page of ``config``'s stored buckets, from ``cursor`` (None: the first page).
+
+        ``digest_prefix`` (lowercase hex) keeps the buckets whose digest starts with it.
+        Each page reads a bounded part of the store; a bucket written or deleted while
+        the pages are read may be missed or listed twice (never one present throughout).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot list its buckets")
+
+    def count_buckets(self, configs: Sequence[LimitConfig]) -> dict[str, int]:
+        """Return how many buckets are stored, by limit name, for each of ``configs``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot count its buckets")
+
+    def reset_all(self, config: LimitConfig, *, batch_size: int = 1000) -> int:
+        """Forget every stored bucket of ``config`` (its shards too), in batches; return how many."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reset every key of a limit")
 
     @abstractmethod
     def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:

@@ -16,12 +16,18 @@ differently (``42`` and ``"42"`` are two buckets), so:
 
 ``reset`` exits non-zero when the key has nothing to reset, rather than report a reset
 of a bucket nobody uses.
+
+Every subcommand works on every backend a limit may be stored on (its ``"backend"``):
+on the database backend through its rows, on Redis through ``SCAN`` pages (counting and
+resetting a whole limit walk its keys). ``--database`` reads the ``RateLimit`` rows of
+that database instead of asking the limit's backend.
 """
 
 from __future__ import annotations
 
 import json
 from argparse import SUPPRESS, ArgumentParser
+from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
@@ -30,8 +36,9 @@ from django.db.models import Count
 
 from ...algorithms import State
 from ...api import limiter
-from ...backends.base import BackendError, Request
-from ...cleanup import MAX_BATCH_SIZE, cleanup, database_alias
+from ...backends import backend_aliases, get_backend
+from ...backends.base import BackendError, BaseBackend, BucketPage, Request, StoredBucket
+from ...cleanup import MAX_BATCH_SIZE, CleanupReport, cleanup, database_alias, unknown_names
 from ...keys import EncodedKey, encode_key
 from ...limits import LimitConfig
 from ...models import RateLimit
@@ -191,20 +198,43 @@ class Command(BaseCommand):
         if options.get("request_key") is not None:
             raise CommandError("--key names one key: it cannot apply to the whole limit")
 
-    def _row_by_digest(self, limit: LimitConfig, prefix: str, database: str | None) -> RateLimit:
+    def _bucket_by_digest(self, limit: LimitConfig, prefix: str, database: str | None) -> tuple[StoredBucket, int]:
+        """Return the one stored bucket of ``limit`` whose digest starts with ``prefix``, and the store's time."""
         prefix = prefix.lower()
         if len(prefix) < 8 or any(c not in "0123456789abcdef" for c in prefix):
             raise CommandError(f"--digest: {prefix!r} is not a digest or a prefix of 8+ hex digits")
-        rows = list(
-            RateLimit.objects.using(database_alias(database))
-            .filter(name=limit.name, key__startswith=prefix)
-            .order_by("key")[:2]
-        )
-        if not rows:
+        if database is not None:
+            rows = list(
+                RateLimit.objects.using(database)
+                .filter(name=limit.name, key__startswith=prefix)
+                .order_by("key")
+                .values_list("key", "label", "value", "ts")[:2]
+            )
+            found = [StoredBucket(key, label, State(value, ts)) for key, label, value, ts in rows]
+            now = store_now(database)
+        else:
+            backend = self._listing_backend(limit, "find a key by its digest")
+            found, now = [], 0
+            for page in _pages(backend, limit, digest_prefix=prefix, page_size=2):
+                found += page.buckets
+                now = page.now
+                if len(found) > 1:
+                    break
+        if not found:
             raise CommandError(f"no key of {limit.name!r} has a digest starting with {prefix!r}")
-        if len(rows) > 1:
+        if len(found) > 1:
             raise CommandError(f"the digest prefix {prefix!r} matches several keys of {limit.name!r}: give more digits")
-        return rows[0]
+        return found[0], now
+
+    @staticmethod
+    def _listing_backend(limit: LimitConfig, what: str) -> BaseBackend:
+        backend = limiter.backend(limit)
+        if not backend.lists_buckets:
+            raise CommandError(
+                f"{limit.name!r} is stored on backend {limit.backend!r} ({type(backend).__name__}), which cannot "
+                f"list its keys, so this command cannot {what}; give a key (--key SPEC=VALUE)"
+            )
+        return backend
 
     def _print_live(self, live: LiveState, stored: bool | None) -> None:
         self.stdout.write(f"  tokens now:   {format_tokens(live.value)} of {format_tokens(live.capacity)}")
@@ -244,26 +274,25 @@ class Command(BaseCommand):
 
     @staticmethod
     def _stored(limit: LimitConfig, key: EncodedKey, database: str | None) -> bool | None:
-        """Whether the key has a stored row (None when the backend keeps no rows to look at)."""
-        alias = database or limiter.backend(limit).database_alias()
-        if alias is None:
-            return None
+        """Whether the key has a stored bucket (None when the backend cannot say)."""
         digests = [part.digest for _, part in _buckets(limit, key)]
-        return RateLimit.objects.using(alias).filter(name=limit.name, key__in=digests).exists()
+        if database is not None:
+            return RateLimit.objects.using(database).filter(name=limit.name, key__in=digests).exists()
+        backend = limiter.backend(limit)
+        if not backend.lists_buckets:
+            return None
+        try:
+            return any(backend.list_buckets(limit, digest_prefix=digest).buckets for digest in digests)
+        except BackendError as exc:
+            raise CommandError(f"the store failed: {exc}") from exc
 
     # -- list ------------------------------------------------------------------------
 
     def handle_list(self, *, database: str | None, no_counts: bool, **options: Any) -> None:
         limits = known_limits()
-        counts: dict[str, int] = {}
+        counts: dict[str, int | str] = {}
         if not no_counts:
-            rows = (
-                RateLimit.objects.using(database_alias(database))
-                .order_by()
-                .values("name")
-                .annotate(rows=Count("pk"))
-            )
-            counts = {row["name"]: row["rows"] for row in rows}
+            counts.update(self._counts(limits, database))
         names = sorted(set(limits) | set(counts))
         if not names:
             self.stdout.write("No rate limits are configured, and none are stored.")
@@ -271,11 +300,37 @@ class Command(BaseCommand):
         width = max(len(name) for name in names)
         for name in names:
             known = limits.get(name)
-            stored = "" if no_counts else f"  {counts.get(name, 0)} stored key(s)"
+            count = counts.get(name, 0)
+            stored = "" if no_counts else f"  {count} stored key(s)" if isinstance(count, int) else f"  {count}"
             if known is None:
                 self.stdout.write(f"{name:<{width}}  NOT CONFIGURED{stored}")
             else:
-                self.stdout.write(f"{name:<{width}}  {describe_rate(known.config)} [{known.source}]{stored}")
+                where = "" if database is not None else f" on {known.config.backend!r}"
+                self.stdout.write(f"{name:<{width}}  {describe_rate(known.config)} [{known.source}]{stored}{where}")
+
+    @staticmethod
+    def _counts(limits: dict[str, KnownLimit], database: str | None) -> dict[str, int | str]:
+        """Stored keys by limit: each backend counts its own limits; rows of names no
+        limit here knows are counted in the database."""
+        counts: dict[str, int | str] = {}
+        if database is not None:
+            rows = RateLimit.objects.using(database).order_by().values("name").annotate(rows=Count("pk"))
+            return {row["name"]: row["rows"] for row in rows}
+        for alias in backend_aliases():
+            configs = [known.config for known in limits.values() if known.config.backend == alias]
+            backend = get_backend(alias)
+            if not configs:
+                continue
+            if not backend.lists_buckets:
+                uncounted = f"stored keys not counted ({type(backend).__name__} cannot list them)"
+                counts.update((config.name, uncounted) for config in configs)
+                continue
+            try:
+                counts.update(backend.count_buckets(configs))
+            except BackendError as exc:
+                raise CommandError(f"backend {alias!r}: the store failed: {exc}") from exc
+        counts.update(unknown_names(limits))
+        return counts
 
     # -- show ------------------------------------------------------------------------
 
@@ -288,10 +343,9 @@ class Command(BaseCommand):
             self._show_summary(limit, database)
             return
         if options["digest"]:
-            row = self._row_by_digest(limit, options["key"], database)
-            alias = row._state.db or database_alias(database)
-            live = live_state(limit, State(row.value, row.ts), row.key, store_now(alias))
-            self.stdout.write(f"key {row.label or '(no label)'} (digest {row.key})")
+            bucket, now = self._bucket_by_digest(limit, options["key"], database)
+            live = live_state(limit, bucket.state, bucket.digest, now)
+            self.stdout.write(f"key {bucket.label or '(no label)'} (digest {bucket.digest})")
             self._print_live(live, stored=True)
             return
         key = self._key(options)
@@ -300,9 +354,17 @@ class Command(BaseCommand):
         self._print_live(self._live_from_backend(limit, encoded), self._stored(limit, encoded, database))
 
     def _show_summary(self, limit: LimitConfig, database: str | None) -> None:
-        alias = database_alias(database)
-        rows = RateLimit.objects.using(alias).filter(name=limit.name)
-        counts = count_by_state(rows, [limit], store_now(alias)).get(limit.name, {})
+        alias = database or limiter.backend(limit).database_alias()
+        if alias is not None:
+            rows = RateLimit.objects.using(alias).filter(name=limit.name)
+            counts = count_by_state(rows, [limit], store_now(alias)).get(limit.name, {})
+        else:
+            # No index to count by state: every stored bucket is read, a page at a time.
+            counts = {"stored": 0, LIMITED: 0, PARTIAL: 0, FULL: 0}
+            for page in _pages(self._listing_backend(limit, "summarise its keys"), limit):
+                for bucket in page.buckets:
+                    counts["stored"] += 1
+                    counts[live_state(limit, bucket.state, bucket.digest, page.now).state] += 1
         self.stdout.write(f"  stored keys:     {counts.get('stored', 0)}")
         self.stdout.write(f"  limited now:     {counts.get(LIMITED, 0)}")
         self.stdout.write(f"  partially used:  {counts.get(PARTIAL, 0)}")
@@ -319,9 +381,15 @@ class Command(BaseCommand):
             self._reset_all(limit, database, yes=options["yes"], interactive=options["interactive"])
             return
         if options["digest"]:
-            row = self._row_by_digest(limit, options["key"], database)
-            row.delete()
-            self.stdout.write(f"Reset {name} key {row.label or row.key}: it starts full again.")
+            bucket, _now = self._bucket_by_digest(limit, options["key"], database)
+            if database is not None:
+                RateLimit.objects.using(database).filter(name=limit.name, key=bucket.digest).delete()
+            else:
+                try:
+                    limiter.backend(limit).reset(limit, EncodedKey(bucket.digest, bucket.label))
+                except BackendError as exc:
+                    raise CommandError(f"the store failed: {exc}") from exc
+            self.stdout.write(f"Reset {name} key {bucket.label or bucket.digest}: it starts full again.")
             return
         key = self._key(options)
         encoded = encode_key(key)
@@ -341,14 +409,15 @@ class Command(BaseCommand):
         self.stdout.write(f"Reset {name} key {key!r}: it starts full again.")
 
     def _reset_all(self, limit: LimitConfig, database: str | None, *, yes: bool, interactive: bool) -> None:
-        alias = database or limiter.backend(limit).database_alias()
-        if alias is None:
-            raise CommandError(
-                f"resetting every key of a limit needs a backend that lists its keys, and {limit.name!r} "
-                f"is stored on {type(limiter.backend(limit)).__name__}; give a key (--key SPEC=VALUE)"
-            )
-        rows = RateLimit.objects.using(alias).filter(name=limit.name)
-        total = rows.count()
+        if database is not None:
+            rows = RateLimit.objects.using(database).filter(name=limit.name)
+            total = rows.count()
+        else:
+            backend = self._listing_backend(limit, "reset every key of it")
+            try:
+                total = backend.count_buckets([limit])[limit.name]
+            except BackendError as exc:
+                raise CommandError(f"the store failed: {exc}") from exc
         if total == 0:
             self.stdout.write(f"{limit.name}: no keys are stored; nothing to reset.")
             return
@@ -358,13 +427,19 @@ class Command(BaseCommand):
             answer = input(f"Reset all {total} stored keys of {limit.name!r}? They start full again. [y/N] ")
             if answer.strip().lower() not in ("y", "yes"):
                 raise CommandError("reset cancelled")
-        deleted = 0
-        while True:
-            # In batches, so that no statement locks a large part of a live table.
-            batch = list(rows.order_by().values_list("pk", flat=True)[:MAX_BATCH_SIZE])
-            if not batch:
-                break
-            deleted += RateLimit.objects.using(alias).filter(pk__in=batch).delete()[0]
+        if database is not None:
+            deleted = 0
+            while True:
+                # In batches, so that no statement locks a large part of a live table.
+                batch = list(rows.order_by().values_list("pk", flat=True)[:MAX_BATCH_SIZE])
+                if not batch:
+                    break
+                deleted += RateLimit.objects.using(database).filter(pk__in=batch).delete()[0]
+        else:
+            try:
+                deleted = backend.reset_all(limit, batch_size=MAX_BATCH_SIZE)
+            except BackendError as exc:
+                raise CommandError(f"the store failed: {exc}") from exc
         self.stdout.write(f"Reset {deleted} key(s) of {limit.name}: they start full again.")
 
     # -- cleanup ---------------------------------------------------------------------
@@ -379,22 +454,43 @@ class Command(BaseCommand):
                     f"unknown rate limit(s) {', '.join(map(repr, unknown))}; "
                     f"known: {', '.join(sorted(limits)) or 'none'}"
                 )
-        try:
-            report = cleanup(
-                names=names,
-                batch_size=options["batch_size"],
-                remove_unknown=options["remove_unknown"],
-                unknown_idle=options["unknown_idle"],
-                dry_run=options["dry_run"],
-                max_seconds=options["max_seconds"],
-                pause=options["pause"],
-                database=database,
-            )
-        except ValueError as exc:
-            raise CommandError(str(exc)) from None
+        # Each database that holds a backend's rows; keys on Redis expire by themselves.
+        aliases = [database] if database is not None else _cleanup_databases()
+        reports = {}
+        for alias in aliases:
+            try:
+                reports[alias] = cleanup(
+                    names=names,
+                    batch_size=options["batch_size"],
+                    remove_unknown=options["remove_unknown"],
+                    unknown_idle=options["unknown_idle"],
+                    dry_run=options["dry_run"],
+                    max_seconds=options["max_seconds"],
+                    pause=options["pause"],
+                    database=alias,
+                )
+            except ValueError as exc:
+                raise CommandError(str(exc)) from None
         if options["as_json"]:
-            self.stdout.write(json.dumps(report.as_dict(), sort_keys=True))
+            if len(reports) == 1:
+                self.stdout.write(json.dumps(next(iter(reports.values())).as_dict(), sort_keys=True))
+            else:
+                self.stdout.write(json.dumps({alias: r.as_dict() for alias, r in reports.items()}, sort_keys=True))
             return
+        for alias, report in reports.items():
+            if len(reports) > 1:
+                self.stdout.write(f"Database {alias!r}:")
+            self._print_cleanup(report, names, options)
+        if database is None:
+            for alias in backend_aliases():
+                backend = get_backend(alias)
+                if backend.database_alias() is None:
+                    self.stdout.write(
+                        f"Backend {alias!r} ({type(backend).__name__}): its keys expire when their bucket is full "
+                        f"again; nothing to clean up."
+                    )
+
+    def _print_cleanup(self, report: CleanupReport, names: list[str] | None, options: dict[str, Any]) -> None:
         verb = "Would delete" if report.dry_run else "Deleted"
         self.stdout.write(
             f"{verb} {report.deleted_total} idle row(s) in {report.batches} batch(es), {report.seconds:.2f} s "
@@ -420,6 +516,27 @@ class Command(BaseCommand):
                     self.stderr.write(f"Limit {name!r} is not configured: {rows} row(s) kept.")
             if not removed:
                 self.stderr.write("Delete rows of limits that are not configured with --remove-unknown.")
+
+
+def _cleanup_databases() -> list[str]:
+    """The databases of the backends that store rows; the default backend's first."""
+    aliases = [get_backend(alias).database_alias() for alias in backend_aliases()]
+    found = list(dict.fromkeys(alias for alias in aliases if alias is not None))
+    return found or [database_alias()]
+
+
+def _pages(backend: BaseBackend, limit: LimitConfig, **kwargs: Any) -> Iterator[BucketPage]:
+    """Every page of ``limit``'s stored buckets, from the first to the last."""
+    cursor = None
+    while True:
+        try:
+            page = backend.list_buckets(limit, cursor=cursor, **kwargs)
+        except BackendError as exc:
+            raise CommandError(f"the store failed: {exc}") from exc
+        yield page
+        if page.cursor is None:
+            return
+        cursor = page.cursor
 
 
 def _buckets(limit: LimitConfig, key: EncodedKey) -> list[tuple[LimitConfig, EncodedKey]]:
