@@ -1,9 +1,9 @@
 """Limits in Redis, through a django-redis cache alias.
 
-Each decision is one Lua script (``django_tokenbucket/lua/decide.lua``): it reads the
-state of every limit of the call, takes the time from Redis' ``TIME``, decides all or
-nothing with the same integer arithmetic as ``algorithms`` and writes what changed,
-atomically. Every written key expires when its bucket would be full again, so an
+Each decision is one Lua script (``django_tokenbucket/lua/decide.lua``, with the big-number
+helpers of ``lua/bignum.lua`` joined in): it reads the state of every limit of the call,
+takes the time from Redis' ``TIME``, decides all or nothing with the same integer
+arithmetic as ``algorithms`` and writes what changed, atomically. Every written key expires when its bucket would be full again, so an
 absent key means "fresh" and idle keys clean themselves up.
 
 Keys are made with the cache's key function (so ``KEY_PREFIX``, ``VERSION`` and
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import struct
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -48,17 +49,30 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError, R
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .. import clock
-from ..algorithms import Decision, State
+from ..algorithms import CLOCK_SKEW_TOLERANCE, Decision
 from ..conf import tokenbucket_settings
 from ..config import FIXED_WINDOW, LimitConfig
 from ..keys import EncodedKey
 from . import is_django_redis
 from .base import BackendError, BaseBackend, Outcome, Request, RowId, row_id
 
-__all__ = ["SCRIPT", "ClusterConnectionFactory", "RedisBackend", "state_key"]
+__all__ = ["BIGNUM_MARKER", "SCRIPT", "ClusterConnectionFactory", "RedisBackend", "state_key"]
 
-#: The decision script, shipped as package data.
-SCRIPT = resources.files("django_tokenbucket").joinpath("lua", "decide.lua").read_text(encoding="utf-8")
+#: The line of decide.lua that bignum.lua replaces.
+BIGNUM_MARKER = "--[[ bignum.lua ]]"
+
+
+def _joined_script() -> str:
+    """Return decide.lua with bignum.lua in its place: one script, sent and cached as one."""
+    lua = resources.files("django_tokenbucket").joinpath("lua")
+    head, marker, tail = lua.joinpath("decide.lua").read_text(encoding="utf-8").partition(BIGNUM_MARKER)
+    if not marker:  # pragma: no cover - a broken installation
+        raise RuntimeError(f"django_tokenbucket/lua/decide.lua has no {BIGNUM_MARKER!r} line")
+    return head + lua.joinpath("bignum.lua").read_text(encoding="utf-8") + tail
+
+
+#: The decision script, from the package data.
+SCRIPT = _joined_script()
 
 #: Bounds of a key's TTL in milliseconds. The upper one only keeps Redis' expiry
 #: arithmetic in range: no bucket of a valid limit takes 285,000 years to refill.
@@ -70,9 +84,27 @@ PINNED_CLOCK_MIN_TTL_MS = 3_600_000
 
 _OPTIONS = {"CACHE"}
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_FIELDS = 6
-#: The script's first argument when the store's clock applies, by ``apply``.
-_STORE_CLOCK_HEADERS = {True: f"- 1 {MIN_TTL_MS} {MAX_TTL_MS}", False: f"- 0 {MIN_TTL_MS} {MAX_TTL_MS}"}
+_FIELDS = 4
+#: MessagePack: an int64 (all the script's numbers but ``now`` and stored states fit one),
+#: and nil.
+_INT64 = struct.Struct(">Bq")
+_NIL = b"\xc0"
+#: A request's key index and count, the part of its argument that varies per call.
+_INDEX_AND_COUNT = struct.Struct(">BqBq")
+
+
+def _msgpack(*numbers: int | None) -> bytes:
+    """Return ``numbers`` as a MessagePack stream, which the script reads with cmsgpack.unpack."""
+    return b"".join(_NIL if n is None else _INT64.pack(0xD3, n) for n in numbers)
+
+
+def _header(apply: bool, min_ttl_ms: int) -> bytes:
+    return _msgpack(int(apply), min_ttl_ms, MAX_TTL_MS, CLOCK_SKEW_TOLERANCE)
+
+
+#: The script's second argument (apply, TTL bounds, clock-skew tolerance), by ``apply``
+#: and whether a pinned test clock applies.
+_HEADERS = {(apply, pinned): _header(apply, PINNED_CLOCK_MIN_TTL_MS if pinned else MIN_TTL_MS) for apply in (True, False) for pinned in (True, False)}
 #: Limits whose arguments a backend keeps formatted.
 _LIMITS_CACHE_SIZE = 4096
 
@@ -103,12 +135,13 @@ class _Limit(NamedTuple):
     config: LimitConfig
     #: The start of its state keys, up to the hash tag.
     key_head: str
-    #: "<kind> <rate> <period> <capacity> <lowest> <fresh value>" of the script's
-    #: request argument, without and with ``reserve``.
-    plain: str
-    reserve: str
-    #: The fresh ts when it does not depend on the key (all but unanchored fixed windows).
-    fresh_ts: str | None
+    #: kind, rate, period, capacity, lowest and fresh value of the script's request
+    #: argument (MessagePack), without and with ``reserve``...
+    plain: bytes
+    reserve: bytes
+    #: ...and the fresh ts, when it does not depend on the key (all but fixed windows
+    #: without a ``start``).
+    fresh_ts: bytes | None
 
 
 def state_key(config: LimitConfig, key: EncodedKey) -> str:
@@ -230,11 +263,11 @@ class RedisBackend(BaseBackend):
     def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
         override = clock.override()
         if override is not None:
-            header = f"{override} {int(apply)} {PINNED_CLOCK_MIN_TTL_MS} {MAX_TTL_MS}"
+            now, header = str(override), _HEADERS[apply, True]
         elif tokenbucket_settings.CLOCK == "app":
-            header = f"{clock.app_now()} {int(apply)} {MIN_TTL_MS} {MAX_TTL_MS}"
+            now, header = str(clock.app_now()), _HEADERS[apply, False]
         else:
-            header = _STORE_CLOCK_HEADERS[apply]
+            now, header = "-", _HEADERS[apply, False]
         try:
             # Inside the try: a cluster client discovers its nodes when it is made.
             connection = self._connect()
@@ -243,10 +276,10 @@ class RedisBackend(BaseBackend):
                 request = requests[0]
                 limit = self._limit(request.config)
                 keys = [self._key(connection, limit, request.key)]
-                argv = [header, self._request_argument(limit, request, 1)]
+                argv = [now, header, self._request_argument(limit, request, 1)]
             else:
                 keys = []
-                argv = [header]
+                argv = [now, header]
                 index: dict[RowId, int] = {}
                 for request in requests:
                     limit = self._limit(request.config)
@@ -347,14 +380,18 @@ class RedisBackend(BaseBackend):
         limit = self._limits.get(id(config))
         if limit is not None and limit.config is config:
             return limit
-        head = f"{'f' if config.kind == FIXED_WINDOW else 't'} {config.rate} {config.period} {config.capacity}"
-        uncapped = "-" if config.max_reserved is None else str(-config.max_reserved)
+        kind = 1 if config.kind == FIXED_WINDOW else 0
+        uncapped = None if config.max_reserved is None else -config.max_reserved
         # A fresh state's value is the capacity and, but for fixed windows without a
         # start, its ts is the same for every key.
         fresh = config.fresh_state("")
-        fresh_ts = None if config.kind == FIXED_WINDOW and config.start is None else str(fresh.ts)
+        fresh_ts = None if config.kind == FIXED_WINDOW and config.start is None else _msgpack(fresh.ts)
         limit = _Limit(
-            config, _key_head(config), f"{head} 0 {fresh.value}", f"{head} {uncapped} {fresh.value}", fresh_ts
+            config,
+            _key_head(config),
+            _msgpack(kind, config.rate, config.period, config.capacity, 0, fresh.value),
+            _msgpack(kind, config.rate, config.period, config.capacity, uncapped, fresh.value),
+            fresh_ts,
         )
         if len(self._limits) >= _LIMITS_CACHE_SIZE:
             # Inline configs may be made per call: start over rather than grow.
@@ -363,11 +400,12 @@ class RedisBackend(BaseBackend):
         return limit
 
     @staticmethod
-    def _request_argument(limit: _Limit, request: Request, key_index: int) -> str:
+    def _request_argument(limit: _Limit, request: Request, key_index: int) -> bytes:
         fresh_ts = limit.fresh_ts
-        if fresh_ts is None:
-            fresh_ts = str(limit.config.fresh_state(request.key.digest).ts)
-        return f"{key_index} {request.count} {limit.reserve if request.reserve else limit.plain} {fresh_ts}"
+        if fresh_ts is None:  # the windows of this key
+            fresh_ts = _msgpack(limit.config.fresh_state(request.key.digest).ts)
+        fields = limit.reserve if request.reserve else limit.plain
+        return _INDEX_AND_COUNT.pack(0xD3, key_index, 0xD3, request.count) + fields + fresh_ts
 
     @staticmethod
     def _check_slots(client: Any, keys: list[str], requests: Sequence[Request]) -> None:
@@ -402,23 +440,27 @@ class RedisBackend(BaseBackend):
 
     @staticmethod
     def _outcome(reply: Any, count: int) -> Outcome:
+        """Read the script's reply. Its decisions carry no state to store: the script stored it."""
         if isinstance(reply, bytes):
-            reply = reply.decode("ascii", "replace")
-        fields: list[str] = reply.split(" ") if isinstance(reply, str) else []
+            fields: list[Any] = reply.split(b" ")
+            yes, dash = b"1", b"-"
+        elif isinstance(reply, str):  # a client made with decode_responses
+            fields, yes, dash = reply.split(" "), "1", "-"
+        else:
+            fields = []
         if len(fields) != 1 + _FIELDS * count:
             raise BackendError(f"unexpected reply from the decision script: {reply!r}")
-        decisions = []
-        for start in range(1, len(fields), _FIELDS):
-            allowed, value, retry_after, full_after, state_value, state_ts = fields[start : start + _FIELDS]
-            decisions.append(
-                Decision(
-                    allowed == "1",
-                    int(value),
-                    None if retry_after == "-" else int(retry_after),
-                    int(full_after),
-                    None if state_value == "-" else State(int(state_value), int(state_ts)),
-                )
+        # int() reads bytes as well as str: no decoding.
+        decisions = [
+            Decision(
+                fields[i] == yes,
+                int(fields[i + 1]),
+                None if fields[i + 2] == dash else int(fields[i + 2]),
+                int(fields[i + 3]),
+                None,
             )
+            for i in range(1, len(fields), _FIELDS)
+        ]
         return Outcome(decisions, int(fields[0]))
 
 

@@ -1,278 +1,261 @@
 -- django_tokenbucket: one atomic decision over one or more limits (RedisBackend).
 --
--- This is a line-for-line port of algorithms.token_bucket, algorithms.fixed_window and
--- backends.base.decide_all. Python's integers are unbounded and Lua's numbers are IEEE
--- doubles, so every operation goes through the exact helpers below: an integer stays a
--- plain number while |x| <= 2^53 and becomes a small bignum only when a product or a
--- sum leaves that range (fresh buckets, long idle times, huge configs, deep debts).
--- tests/test_redis.py replays generated traces through this script and through
--- Python and requires identical decisions, values, waits and stored states.
+-- A port of algorithms.token_bucket, algorithms.fixed_window and backends.base.decide_all.
+-- Python's integers are unbounded and Lua's numbers are IEEE doubles, so the script has
+-- two paths with the same results:
+--
+-- * the common path: one limit, one key, every input below 2^53, in plain double
+--   arithmetic. Integer sums, differences and products of doubles are exact while the
+--   true result is below 2^53, and rounding is monotonic, so a result that reads below
+--   2^53 was exact: each step that could leave the range is checked, and the first one
+--   that does sends the call to the general path (nothing has been written yet).
+-- * the general path: any number of limits, any magnitude, through the exact helpers
+--   of bignum.lua, which the backend joins in below (one script, one SHA). Reaching it
+--   only when needed spares the common call the making of its ~30 functions.
+--
+-- tests/test_redis.py replays generated traces through this script and through Python
+-- and requires identical decisions, values, waits and stored states, on both paths.
 --
 -- KEYS: the state key of every distinct (name, key) row of the call.
--- ARGV[1]: "<now> <apply> <min_ttl_ms> <max_ttl_ms>": now in microseconds ("-" = Redis
---          TIME), apply "1" to consume or "0" only to read.
--- ARGV[2..n+1]: one request each, "<key index> <count> <kind> <rate> <period> <capacity>
---          <lowest> <fresh value> <fresh ts>": kind "t" token bucket or "f" fixed window,
---          lowest "-" when reservations are uncapped.
+-- ARGV[1]: now in microseconds (a decimal integer), or "-" for Redis' TIME.
+-- ARGV[2]: MessagePack integers apply (1 to consume, 0 only to read), min_ttl_ms,
+--          max_ttl_ms, skew: algorithms.CLOCK_SKEW_TOLERANCE (a clock up to this far
+--          behind the stored time lags another host's: it decides at the stored time,
+--          and its non-zero waits are longer by the lag).
+-- ARGV[2 + i]: request i, MessagePack: key index, count, kind (0 token bucket, 1 fixed
+--          window), rate, period, capacity, lowest (nil when reservations are uncapped),
+--          fresh value, fresh ts. Every one is an integer of at most 2^53 in magnitude
+--          (LimitConfig's bounds), which a double holds exactly.
 -- Stored value: "<value> <ts>" (decimal integers), with a TTL.
 -- Reply: one string, "<now>" then for each request " <allowed> <value> <retry_after>
---        <full_after> <state value> <state ts>": allowed "1"/"0", "-" for a None
---        retry_after and for no state to store.
--- One argument per request and a one-string reply: redis-py packs every argument and
--- parses every reply element in Python, at a few microseconds each.
+--        <full_after>": allowed "1"/"0", "-" for a None retry_after.
+-- Few arguments and a one-string reply: redis-py packs every argument and parses every
+-- reply element in Python, Redis refuses more than 10 arguments from a connection that
+-- has not authenticated yet (it would not say NOAUTH), and cmsgpack reads nine
+-- integers faster than Lua parses two of them from text.
 
-local B = 16777216                   -- 2^24: limb base of the bignums
-local LIMIT = 9007199254740992       -- 2^53: plain numbers hold |x| <= LIMIT exactly
+local LIMIT = 9007199254740992       -- 2^53: plain numbers hold |x| < LIMIT exactly
 local fmod = math.fmod               -- exact for doubles, unlike Lua 5.1's % operator
-local type = type
+local tonumber = tonumber
 
--- Magnitudes: arrays of base-2^24 limbs, least significant first, no leading zeros.
-
-local function isbig(x) return type(x) == "table" end
-
-local function mag_from_plain(m)
-  local t, i = {}, 0
-  while m > 0 do
-    local r = fmod(m, B)
-    i = i + 1
-    t[i] = r
-    m = (m - r) / B
-  end
-  return t
+local ok_header, apply, min_ttl_ms, max_ttl_ms, skew = pcall(cmsgpack.unpack, ARGV[2] or "")
+if not ok_header or type(skew) ~= "number" or (apply ~= 0 and apply ~= 1) then
+  return redis.error_reply("django_tokenbucket: malformed header: " .. tostring(ARGV[2]))
+end
+apply = apply == 1
+local time_now
+if ARGV[1] == "-" then
+  local t = redis.call("TIME")
+  time_now = tonumber(t[1]) * 1000000 + tonumber(t[2]) -- below 2^53 until the year 2255
 end
 
-local function mag_trim(a)
-  local n = #a
-  while n > 0 and a[n] == 0 do
-    a[n] = nil
-    n = n - 1
-  end
-  return a
-end
+-- The common path ---------------------------------------------------------------------
+--
+-- Every function here returns nil when a result would leave the exact range; the call
+-- then goes to the general path. ``x < LIMIT and x > -LIMIT`` is that check.
 
-local function mag_cmp(a, b)
-  if #a ~= #b then return #a < #b and -1 or 1 end
-  for i = #a, 1, -1 do
-    if a[i] ~= b[i] then return a[i] < b[i] and -1 or 1 end
-  end
-  return 0
-end
-
-local function mag_add(a, b)
-  local r, carry = {}, 0
-  for i = 1, math.max(#a, #b) do
-    local s = (a[i] or 0) + (b[i] or 0) + carry
-    if s >= B then r[i] = s - B; carry = 1 else r[i] = s; carry = 0 end
-  end
-  if carry > 0 then r[#r + 1] = carry end
-  return r
-end
-
-local function mag_sub(a, b) -- requires a >= b
-  local r, borrow = {}, 0
-  for i = 1, #a do
-    local s = a[i] - (b[i] or 0) - borrow
-    if s < 0 then r[i] = s + B; borrow = 1 else r[i] = s; borrow = 0 end
-  end
-  return mag_trim(r)
-end
-
-local function mag_mul(a, b)
-  local r, na, nb = {}, #a, #b
-  for i = 1, na + nb do r[i] = 0 end
-  for i = 1, na do
-    local carry, ai = 0, a[i]
-    for j = 1, nb do
-      local t = r[i + j - 1] + ai * b[j] + carry -- < 2^49: exact
-      local lo = fmod(t, B)
-      r[i + j - 1] = lo
-      carry = (t - lo) / B
-    end
-    local k = i + nb
-    while carry > 0 do
-      local t = r[k] + carry
-      local lo = fmod(t, B)
-      r[k] = lo
-      carry = (t - lo) / B
-      k = k + 1
-    end
-  end
-  return mag_trim(r)
-end
-
--- Divide a magnitude by a plain 1 <= d <= 2^53; return the quotient and the remainder.
-local function mag_divmod(a, d)
-  local q, r = {}, 0
-  if d * B <= LIMIT then
-    -- Short division: r * 2^24 + limb stays exact.
-    for i = #a, 1, -1 do
-      local t = r * B + a[i]
-      r = fmod(t, d)
-      q[i] = (t - r) / d
-    end
-    return mag_trim(q), r
-  end
-  -- Bit by bit, never forming 2r (which could pass 2^53): 2r + bit >= d <=> r >= d - r - bit.
-  for i = #a, 1, -1 do
-    local limb, qlimb, p = a[i], 0, B
-    for _ = 1, 24 do
-      p = p / 2
-      local b = 0
-      if limb >= p then b = 1; limb = limb - p end
-      local e = d - r
-      if r >= e - b then
-        r = r - e + b
-        qlimb = qlimb + p
-      else
-        r = r + r + b
-      end
-    end
-    q[i] = qlimb
-  end
-  return mag_trim(q), r
-end
-
--- Integers: a plain number when |x| <= 2^53, else a magnitude with a .neg flag.
-
-local function norm(neg, mag)
-  local n = #mag
-  if n <= 2 or (n == 3 and (mag[3] < 32 or (mag[3] == 32 and mag[2] == 0 and mag[1] == 0))) then
-    local v = 0
-    for i = n, 1, -1 do v = v * B + mag[i] end
-    if neg and v ~= 0 then v = -v end
-    return v
-  end
-  mag.neg = neg
-  return mag
-end
-
-local function split(x) -- -> neg, magnitude (never modified by the callers)
-  if isbig(x) then return x.neg, x end
-  if x < 0 then return true, mag_from_plain(-x) end
-  return false, mag_from_plain(x)
-end
-
-local function add(a, b)
-  if type(a) == "number" and type(b) == "number" then
-    -- Exact when the true sum is below 2^53; rounding is monotonic, so a sum of
-    -- 2^53 or more never rounds below it.
-    local s = a + b
-    if s < LIMIT and s > -LIMIT then return s end
-  end
-  local an, am = split(a)
-  local bn, bm = split(b)
-  if an == bn then return norm(an, mag_add(am, bm)) end
-  local c = mag_cmp(am, bm)
-  if c == 0 then return 0 end
-  if c > 0 then return norm(an, mag_sub(am, bm)) end
-  return norm(bn, mag_sub(bm, am))
-end
-
-local function neg(a)
-  if type(a) == "number" then return -a end
-  local r = {}
-  for i = 1, #a do r[i] = a[i] end
-  r.neg = not a.neg
-  return r
-end
-
-local function sub(a, b)
-  if type(a) == "number" and type(b) == "number" then
-    local s = a - b
-    if s < LIMIT and s > -LIMIT then return s end
-  end
-  return add(a, neg(b))
-end
-
-local function mul(a, b)
-  if type(a) == "number" and type(b) == "number" then
-    local p = a * b
-    if p < LIMIT and p > -LIMIT then return p end
-  end
-  local an, am = split(a)
-  local bn, bm = split(b)
-  if #am == 0 or #bm == 0 then return 0 end
-  return norm(an ~= bn, mag_mul(am, bm))
-end
-
-local function cmp(a, b)
-  if type(a) == "number" and type(b) == "number" then
-    if a < b then return -1 elseif a > b then return 1 end
-    return 0
-  end
-  local d = sub(a, b)
-  if isbig(d) then return d.neg and -1 or 1 end
-  if d < 0 then return -1 elseif d > 0 then return 1 end
-  return 0
-end
-
--- Python's divmod by a plain positive d: a = q * d + r with 0 <= r < d.
-local function divmod(a, d)
-  if type(a) == "number" then
-    local r = fmod(a, d) -- exact, with the sign of a
-    local q = (a - r) / d -- an exact division of an exact difference
-    if r < 0 then r = r + d; q = q - 1 end
-    return q, r
-  end
-  local qm, r = mag_divmod(a, d)
-  if a.neg and r > 0 then return norm(true, mag_add(qm, { 1 })), d - r end
-  return norm(a.neg, qm), r
-end
-
-local function floordiv(a, d)
-  local q = divmod(a, d)
-  return q
-end
-
-local function ceildiv(a, d) return neg(floordiv(neg(a), d)) end
-
--- a * b >= c * d for non-negative a, b, c, d, without a bignum unless it is a near tie.
--- Rounding is monotonic, so rounded products that differ order the exact ones the same
--- way; only equal rounded products need the exact comparison.
-local function prod_ge(a, b, c, d)
-  if not (isbig(a) or isbig(b) or isbig(c) or isbig(d)) then
-    local x, y = a * b, c * d
-    if x ~= y then return x > y end
-    if x < LIMIT then return true end -- equal and exact
-  end
-  return cmp(mul(a, b), mul(c, d)) >= 0
-end
-
-local function parse(s)
-  -- tonumber rounds correctly and monotonically: a result below 2^53 is exact, and
-  -- 2^53 itself (the TTL cap, sent on every call) is when it prints back unchanged.
+-- A plain number from a decimal string when it is exact, else nil.
+local function small(s)
   local n = tonumber(s)
   if n and n < LIMIT and n > -LIMIT then return n end
-  if (n == LIMIT or n == -LIMIT) and string.format("%.0f", n) == s then return n end
-  local negative, digits = string.match(s, "^(%-?)(%d+)$")
-  if not digits then return error("django_tokenbucket: not an integer: " .. tostring(s)) end
-  local x = 0
-  local head = #digits % 7
-  if head > 0 then x = tonumber(string.sub(digits, 1, head)) end
-  for i = head + 1, #digits, 7 do
-    x = add(mul(x, 10000000), tonumber(string.sub(digits, i, i + 6)))
-  end
-  if negative == "-" then return neg(x) end
-  return x
+  return nil
 end
 
-local function tostr(x)
-  if not isbig(x) then
-    if x == 0 then return "0" end
-    return string.format("%.0f", x) -- exact for integers below 2^53
-  end
-  local m = {}
-  for i = 1, #x do m[i] = x[i] end
-  local parts = {}
-  while #m > 0 do
-    local r
-    m, r = mag_divmod(m, 10000000)
-    parts[#parts + 1] = r
-  end
-  local out = { x.neg and "-" or "", string.format("%d", parts[#parts]) }
-  for i = #parts - 1, 1, -1 do out[#out + 1] = string.format("%07d", parts[i]) end
-  return table.concat(out)
+-- ceil(a / d) for 0 <= a < 2^53 and d >= 1: fmod and the division of an exact multiple are exact.
+local function plain_ceil_div(a, d)
+  local r = fmod(a, d)
+  if r > 0 then return (a - r) / d + 1 end
+  return (a - r) / d
 end
+
+-- When a token bucket reaches ``target`` from ``from_value`` at ``from_ts`` (see
+-- algorithms.token_bucket), relative to ``now``.
+local function plain_bucket_reach(rate, period, now, target, from_value, from_ts)
+  if from_value >= target then return 0 end
+  local deficit = (target - from_value) * period
+  if deficit >= LIMIT then return nil end
+  local at = from_ts + plain_ceil_div(deficit, rate)
+  if at >= LIMIT then return nil end
+  local wait = at - now
+  if wait < LIMIT and wait > -LIMIT then return wait end
+  return nil
+end
+
+-- algorithms.token_bucket at ``now`` (not lagging the state): allowed, value,
+-- retry_after, full_after, and the state to store (nil: none).
+local function plain_token_bucket(value, ts, now, count, lowest, rate, period, capacity)
+  local back = now < ts
+  local since = ts
+  if back then since = now end
+  local stored = value
+  if stored > capacity then stored = capacity end
+  local elapsed = now - since
+  local deficit = capacity - stored
+  if elapsed >= LIMIT or deficit >= LIMIT then return nil end
+  -- stored + (rate * elapsed) // period >= capacity <=> rate * elapsed >= deficit * period.
+  -- Products that round apart are ordered as the exact ones are, so a fresh or long
+  -- idle bucket (a product far past 2^53) is known full without them being exact.
+  local gained, needed = rate * elapsed, deficit * period
+  local v, vts
+  if gained > needed or (gained == needed and gained < LIMIT) then
+    v, vts = capacity, now
+  elseif gained < needed and gained < LIMIT then
+    local rest = fmod(gained, period)
+    v = stored + (gained - rest) / period
+    vts = now - (rest - fmod(rest, rate)) / rate
+    if vts <= -LIMIT then return nil end
+  else
+    return nil
+  end
+  local after = v - count -- a refund's count is negative
+  if after >= LIMIT or after <= -LIMIT then return nil end
+  if lowest == nil or after >= lowest then
+    local retry
+    if after < 0 then
+      retry = plain_bucket_reach(rate, period, now, 0, after, vts)
+      if retry == nil then return nil end
+    end
+    local full = plain_bucket_reach(rate, period, now, capacity, after, vts)
+    if full == nil then return nil end
+    return true, after, retry, full, after, vts
+  end
+  -- Measured from the stored state, not the re-dated one, so the wait is exact.
+  local retry = plain_bucket_reach(rate, period, now, count + lowest, stored, since)
+  local full = plain_bucket_reach(rate, period, now, capacity, stored, since)
+  if retry == nil or full == nil then return nil end
+  if back then return false, v, retry, full, stored, now end
+  return false, v, retry, full
+end
+
+-- When a fixed window's value reaches ``target`` from ``from_value``, relative to now,
+-- which is ``into`` past the start of its window.
+local function plain_window_reach(rate, period, into, target, from_value)
+  if from_value >= target then return 0 end
+  local missing = target - from_value
+  if missing >= LIMIT then return nil end
+  local span = plain_ceil_div(missing, rate) * period
+  if span >= LIMIT then return nil end
+  return span - into -- window_start + span - now, without leaving the range
+end
+
+-- algorithms.fixed_window at ``now``; ``phase`` is where its windows start, modulo period.
+local function plain_fixed_window(value, ts, now, count, lowest, rate, period, capacity, phase)
+  local back = now < ts
+  local since_phase = now - phase
+  if since_phase >= LIMIT or since_phase <= -LIMIT then return nil end
+  local into = fmod(since_phase, period)
+  if into < 0 then into = into + period end
+  local window_start = now - into
+  if window_start <= -LIMIT then return nil end
+  local windows = 0
+  if window_start > ts then
+    local gap = window_start - ts
+    if gap >= LIMIT then return nil end
+    windows = plain_ceil_div(gap, period)
+  end
+  local missing = capacity - value
+  local v
+  if missing <= 0 then
+    v = capacity
+  else
+    if missing >= LIMIT then return nil end
+    -- A rounded product at or past the exact ``missing`` means the exact one is too.
+    local credit = windows * rate
+    if credit >= missing then
+      v = capacity
+    else
+      v = value + credit -- credit < missing < 2^53: exact
+    end
+  end
+  local after = v - count
+  if after >= LIMIT or after <= -LIMIT then return nil end
+  if lowest == nil or after >= lowest then
+    local retry
+    if after < 0 then
+      retry = plain_window_reach(rate, period, into, 0, after)
+      if retry == nil then return nil end
+    end
+    local full = plain_window_reach(rate, period, into, capacity, after)
+    if full == nil then return nil end
+    return true, after, retry, full, after, window_start
+  end
+  local retry = plain_window_reach(rate, period, into, count + lowest, v)
+  local full = plain_window_reach(rate, period, into, capacity, v)
+  if retry == nil or full == nil then return nil end
+  if back then
+    local kept = value
+    if kept > capacity then kept = capacity end
+    return false, v, retry, full, kept, window_start
+  end
+  return false, v, retry, full
+end
+
+-- The call as decide_all makes it for one request; nil when a number leaves the range.
+local function common_path()
+  local now = time_now or small(ARGV[1])
+  if now == nil then return nil end
+  local ok, key_index, count, kind, rate, period, capacity, lowest, fresh_value, fresh_ts =
+    pcall(cmsgpack.unpack, ARGV[3])
+  -- The general path checks the arguments, and takes what is 2^53 exactly.
+  if not ok or key_index ~= 1 or type(fresh_ts) ~= "number" or count >= LIMIT or count <= -LIMIT
+      or rate >= LIMIT or period >= LIMIT or capacity >= LIMIT or (lowest ~= nil and lowest <= -LIMIT)
+      or fresh_value >= LIMIT or fresh_value <= -LIMIT or fresh_ts >= LIMIT or fresh_ts <= -LIMIT then
+    return nil
+  end
+
+  local raw = redis.call("GET", KEYS[1])
+  local value, ts
+  if raw then
+    local v, t = string.match(raw, "^(%-?%d+) (%-?%d+)$")
+    if v == nil then return nil end -- unreadable: the general path says so
+    value, ts = small(v), small(t)
+  else
+    value, ts = fresh_value, fresh_ts
+  end
+  if value == nil or ts == nil then return nil end
+
+  -- algorithms._lagging_clock_time: up to the tolerance behind the stored time, decide at it.
+  local lag = ts - now
+  if lag >= LIMIT or lag <= -LIMIT then return nil end
+  local at = now
+  if lag > 0 and lag <= skew then at = ts end
+  local allowed, v, retry, full, state_value, state_ts
+  if kind == 0 then
+    allowed, v, retry, full, state_value, state_ts = plain_token_bucket(value, ts, at, count, lowest, rate, period, capacity)
+  else
+    allowed, v, retry, full, state_value, state_ts =
+      plain_fixed_window(value, ts, at, count, lowest, rate, period, capacity, fresh_ts)
+  end
+  if allowed == nil then return nil end
+  if at ~= now then
+    -- Waits on the caller's clock, which must run ``lag`` longer to see them end.
+    if retry ~= nil and retry ~= 0 then retry = retry + lag end
+    if full ~= 0 then full = full + lag end
+    if (retry ~= nil and retry >= LIMIT) or full >= LIMIT then return nil end
+  end
+
+  -- Written: an allowed call's state when it changed (or the key is new), a denied
+  -- one's only when it is a rebase after a clock that went backwards.
+  if apply and state_value ~= nil and (not allowed or not raw or state_value ~= value or state_ts ~= ts) then
+    -- Expire when the bucket reads as full (fresh) again: an absent key means exactly that.
+    local ttl = plain_ceil_div(full, 1000)
+    if ttl < min_ttl_ms then ttl = min_ttl_ms end
+    if ttl > max_ttl_ms then ttl = max_ttl_ms end
+    redis.call("SET", KEYS[1], string.format("%d %d", state_value, state_ts), "PX", string.format("%d", ttl))
+  end
+  local wait = "-"
+  if retry ~= nil then wait = string.format("%d", retry) end
+  return string.format("%d %s %d %s %d", now, allowed and "1" or "0", v, wait, full)
+end
+
+if #ARGV == 3 and #KEYS == 1 then
+  local reply = common_path()
+  if reply ~= nil then return reply end
+end
+
+-- The general path --------------------------------------------------------------------
+
+--[[ bignum.lua ]]
 
 -- The algorithms: see algorithms.py for the reasoning behind each step.
 
@@ -358,20 +341,8 @@ local function malformed(what, arg)
   return redis.error_reply("django_tokenbucket: malformed " .. what .. ": " .. tostring(arg))
 end
 
-local now_arg, apply_arg, min_ttl_arg, max_ttl_arg = string.match(ARGV[1] or "", "^(%S+) ([01]) (%S+) (%S+)$")
-if not now_arg then return malformed("header", ARGV[1]) end
-local now
-if now_arg ~= "-" then
-  now = parse(now_arg)
-else
-  local t = redis.call("TIME")
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local apply = apply_arg == "1"
-local min_ttl_ms = parse(min_ttl_arg)
-local max_ttl_ms = parse(max_ttl_arg)
-local n = #ARGV - 1
-
+local now = time_now or parse(ARGV[1])
+local n = #ARGV - 2
 local loaded = {}
 for k = 1, #KEYS do
   local raw = redis.call("GET", KEYS[k])
@@ -382,36 +353,36 @@ for k = 1, #KEYS do
   end
 end
 
-local REQUEST = "^(%d+) (%S+) ([tf]) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$"
 local requests = {}
+local function integer(x) return type(x) == "number" and fmod(x, 1) == 0 and x <= LIMIT and x >= -LIMIT end
 for i = 1, n do
-  local key, count, kind, rate, period, capacity, lowest, fresh_value, fresh_ts = string.match(ARGV[i + 1], REQUEST)
-  if not key then return malformed("request", ARGV[i + 1]) end
+  local ok, key, count, kind, rate, period, capacity, lowest, fresh_value, fresh_ts = pcall(cmsgpack.unpack, ARGV[i + 2])
+  if not (ok and integer(key) and key >= 1 and key <= #KEYS and integer(count) and (kind == 0 or kind == 1)
+      and integer(rate) and rate > 0 and integer(period) and period > 0 and integer(capacity)
+      and (lowest == nil or integer(lowest)) and integer(fresh_value) and integer(fresh_ts)) then
+    return malformed("request " .. i, ARGV[i + 2])
+  end
   -- One table per request, which is also the limit its algorithm reads (fewer tables
   -- to make and collect on every call).
   requests[i] = {
-    key = tonumber(key),
-    algorithm = kind == "f" and fixed_window or token_bucket,
-    rate = parse(rate),
-    period = parse(period),
-    capacity = parse(capacity),
+    key = key,
+    algorithm = kind == 1 and fixed_window or token_bucket,
+    rate = rate,
+    period = period,
+    capacity = capacity,
     -- A fresh fixed window starts on its phase, so its fresh ts is the phase of the windows.
-    phase = parse(fresh_ts),
-    fresh_value = parse(fresh_value),
-    lowest = lowest ~= "-" and parse(lowest) or nil,
-    count = parse(count),
+    phase = fresh_ts,
+    fresh_value = fresh_value,
+    lowest = lowest,
+    count = count,
   }
 end
-
--- algorithms.CLOCK_SKEW_TOLERANCE: a clock up to this far behind the stored time lags
--- another host's; it decides at the stored time, and its non-zero waits are longer by the lag.
-local CLOCK_SKEW_TOLERANCE = 5000000
 
 local function decide(request, state, count, lowest)
   local value, ts = request.fresh_value, request.phase
   if state then value, ts = state[1], state[2] end
   local lag = sub(ts, now)
-  if cmp(lag, 0) <= 0 or cmp(lag, CLOCK_SKEW_TOLERANCE) > 0 then
+  if cmp(lag, 0) <= 0 or cmp(lag, skew) > 0 then
     return request.algorithm(value, ts, now, count, lowest, request)
   end
   local d = request.algorithm(value, ts, ts, count, lowest, request)
@@ -468,7 +439,6 @@ end
 local reply = { tostr(now) }
 for i = 1, n do
   local d = decisions[i]
-  reply[i + 1] = (d[1] and "1 " or "0 ") .. tostr(d[2]) .. " " .. (d[3] ~= nil and tostr(d[3]) or "-") .. " "
-    .. tostr(d[4]) .. " " .. (d[5] ~= nil and tostr(d[5]) .. " " .. tostr(d[6]) or "- -")
+  reply[i + 1] = (d[1] and "1 " or "0 ") .. tostr(d[2]) .. " " .. (d[3] ~= nil and tostr(d[3]) or "-") .. " " .. tostr(d[4])
 end
 return table.concat(reply, " ")
