@@ -188,7 +188,9 @@ def _hammer(args: tuple[int, str, str, float, float], queue: Any) -> None:
     queue.put((calls, admitted, time.perf_counter() - started))
 
 
-def processes(db: int, processes: int, seconds: float, repeats: int, names: list[str]) -> dict[str, list[dict[str, Any]]]:
+def processes(
+    db: int, processes: int, seconds: float, repeats: int, names: list[str]
+) -> dict[str, list[dict[str, Any]]]:
     context = multiprocessing.get_context("spawn")
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for r in range(repeats):
@@ -211,9 +213,18 @@ def processes(db: int, processes: int, seconds: float, repeats: int, names: list
             windows = elapsed / PERIOD
             # A token bucket admits its burst plus its refill; a fixed window at most
             # floor(Δ/W) + 2 windows' worth.
-            bound = RATE + RATE * windows if name != "limits fixed window" and name != "django-ratelimit" else RATE * (math.floor(windows) + 2)
+            bound = (
+                RATE + RATE * windows
+                if name != "limits fixed window" and name != "django-ratelimit"
+                else RATE * (math.floor(windows) + 2)
+            )
             results[name].append(
-                {"per_s": calls / elapsed, "admitted": admitted, "bound": bound, "over": max(0, admitted - math.floor(bound))}
+                {
+                    "per_s": calls / elapsed,
+                    "admitted": admitted,
+                    "bound": bound,
+                    "over": max(0, admitted - math.floor(bound)),
+                }
             )
     return results
 
@@ -268,9 +279,13 @@ def main() -> None:
             rates = [run["per_s"] for run in runs]
             report["processes"][name] = {"per_s": statistics.median(rates), "runs": runs}
             overs = [run["over"] for run in runs]
-            print(f"{name:22} {statistics.median(rates):10,.0f} dec/s   runs {[round(x) for x in rates]}   over-admitted {overs}")
+            print(
+                f"{name:22} {statistics.median(rates):10,.0f} dec/s   runs {[round(x) for x in rates]}   over-admitted {overs}"
+            )
         ours_rate = report["processes"]["ours"]["per_s"]
-        print(f"ours / limits throughput {ours_rate / report['processes']['limits fixed window']['per_s']:.3f} (>= 0.8)")
+        print(
+            f"ours / limits throughput {ours_rate / report['processes']['limits fixed window']['per_s']:.3f} (>= 0.8)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

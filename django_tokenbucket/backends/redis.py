@@ -39,9 +39,7 @@ try:
     from django_redis import get_redis_connection
     from django_redis.pool import ConnectionFactory
 except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError(
-        f"the Redis backend needs django-redis: pip install 'dj-tokenbucket[redis]' ({exc})"
-    ) from exc
+    raise ImportError(f"the Redis backend needs django-redis: pip install 'dj-tokenbucket[redis]' ({exc})") from exc
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -104,7 +102,11 @@ def _header(apply: bool, min_ttl_ms: int) -> bytes:
 
 #: The script's second argument (apply, TTL bounds, clock-skew tolerance), by ``apply``
 #: and whether a pinned test clock applies.
-_HEADERS = {(apply, pinned): _header(apply, PINNED_CLOCK_MIN_TTL_MS if pinned else MIN_TTL_MS) for apply in (True, False) for pinned in (True, False)}
+_HEADERS = {
+    (apply, pinned): _header(apply, PINNED_CLOCK_MIN_TTL_MS if pinned else MIN_TTL_MS)
+    for apply in (True, False)
+    for pinned in (True, False)
+}
 #: Limits whose arguments a backend keeps formatted.
 _LIMITS_CACHE_SIZE = 4096
 
