@@ -280,7 +280,8 @@ def main() -> None:
             report["processes"][name] = {"per_s": statistics.median(rates), "runs": runs}
             overs = [run["over"] for run in runs]
             print(
-                f"{name:22} {statistics.median(rates):10,.0f} dec/s   runs {[round(x) for x in rates]}   over-admitted {overs}"
+                f"{name:22} {statistics.median(rates):10,.0f} dec/s   "
+                f"runs {[round(x) for x in rates]}   over-admitted {overs}"
             )
         ours_rate = report["processes"]["ours"]["per_s"]
         print(

@@ -3,8 +3,9 @@
 Each decision is one Lua script (``django_tokenbucket/lua/decide.lua``, with the big-number
 helpers of ``lua/bignum.lua`` joined in): it reads the state of every limit of the call,
 takes the time from Redis' ``TIME``, decides all or nothing with the same integer
-arithmetic as ``algorithms`` and writes what changed, atomically. Every written key expires when its bucket would be full again, so an
-absent key means "fresh" and idle keys clean themselves up.
+arithmetic as ``algorithms`` and writes what changed, atomically. Every written key
+expires when its bucket would be full again, so an absent key means "fresh" and idle
+keys clean themselves up.
 
 Keys are made with the cache's key function (so ``KEY_PREFIX``, ``VERSION`` and
 ``KEY_FUNCTION`` apply) from ``tokenbucket:<name>:{<key digest[:16]>}<key digest[16:]>``.
@@ -278,7 +279,7 @@ class RedisBackend(BaseBackend):
                 request = requests[0]
                 limit = self._limit(request.config)
                 keys = [self._key(connection, limit, request.key)]
-                argv = [now, header, self._request_argument(limit, request, 1)]
+                argv: list[str | bytes] = [now, header, self._request_argument(limit, request, 1)]
             else:
                 keys = []
                 argv = [now, header]
@@ -422,7 +423,7 @@ class RedisBackend(BaseBackend):
                 f"keys (or a KEY_FUNCTION that moved the hash tag)"
             )
 
-    def _run(self, client: Any, keys: list[str], argv: list[str]) -> Any:
+    def _run(self, client: Any, keys: list[str], argv: list[str | bytes]) -> Any:
         script = self._script
         if script is None:
             with self._script_lock:
@@ -445,7 +446,8 @@ class RedisBackend(BaseBackend):
         """Read the script's reply. Its decisions carry no state to store: the script stored it."""
         if isinstance(reply, bytes):
             fields: list[Any] = reply.split(b" ")
-            yes, dash = b"1", b"-"
+            yes: Any = b"1"
+            dash: Any = b"-"
         elif isinstance(reply, str):  # a client made with decode_responses
             fields, yes, dash = reply.split(" "), "1", "-"
         else:

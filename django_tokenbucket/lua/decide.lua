@@ -69,16 +69,14 @@ local function plain_ceil_div(a, d)
 end
 
 -- When a token bucket reaches ``target`` from ``from_value`` at ``from_ts`` (see
--- algorithms.token_bucket), relative to ``now``.
+-- algorithms.token_bucket), relative to ``now``, which is not before ``from_ts``.
 local function plain_bucket_reach(rate, period, now, target, from_value, from_ts)
   if from_value >= target then return 0 end
   local deficit = (target - from_value) * period
-  if deficit >= LIMIT then return nil end
-  local at = from_ts + plain_ceil_div(deficit, rate)
-  if at >= LIMIT then return nil end
-  local wait = at - now
-  if wait < LIMIT and wait > -LIMIT then return wait end
-  return nil
+  local behind = now - from_ts
+  if deficit >= LIMIT or behind >= LIMIT then return nil end
+  -- from_ts + ceil(deficit / rate) - now, without a sum past 2^53 for a long wait.
+  return plain_ceil_div(deficit, rate) - behind
 end
 
 -- algorithms.token_bucket at ``now`` (not lagging the state): allowed, value,
