@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 from functools import partial
 from importlib import resources
 
@@ -30,16 +30,17 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
 from django_tokenbucket import BackendUnavailable, LimitRequest, limiter
-from django_tokenbucket.algorithms import MAX_AMOUNT, MICRO, State
+from django_tokenbucket.algorithms import MAX_AMOUNT, MICRO, Decision, State
 from django_tokenbucket.backends import get_backend
-from django_tokenbucket.backends.base import Request
-from django_tokenbucket.backends.base import BackendError
+from django_tokenbucket.backends.base import BackendError, Outcome, Request
 from django_tokenbucket.backends.redis import (
     BIGNUM_MARKER,
     MAX_TTL_MS,
     SCRIPT,
     RedisBackend,
     _client_retries,
+    _decision,
+    _make_outcome,
     state_key,
 )
 from django_tokenbucket.config import FIXED_WINDOW, LimitConfig, parse_limit
@@ -641,6 +642,18 @@ class TestHotKey:
             assert figures["admitted"] == 10
             assert limiter.get_value("h5-loose", "k", config=loose) == 990
             assert limiter.get_value("h5-tight", "k", config=tight) == 0
+
+
+def test_the_replys_decisions_are_what_the_constructors_make():
+    """_decision and _make_outcome fill __dict__ at once; they must make equal objects."""
+    fast = _decision(False, -3, 7, 11)
+    assert fast == Decision(False, -3, 7, 11, None) and hash(fast) == hash(Decision(False, -3, 7, 11, None))
+    assert repr(fast) == repr(Decision(False, -3, 7, 11, None))
+    with pytest.raises(FrozenInstanceError):
+        fast.value = 4  # type: ignore[misc]
+    assert _make_outcome([fast], 5) == Outcome([Decision(False, -3, 7, 11, None)], 5)
+    assert RedisBackend._outcome(b"5 0 -3 7 11", 1) == Outcome([fast], 5)
+    assert RedisBackend._outcome("5 1 2 - 0", 1) == Outcome([Decision(True, 2, None, 0, None)], 5)
 
 
 def test_the_script_is_package_data():
