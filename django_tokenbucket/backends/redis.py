@@ -445,6 +445,12 @@ class RedisBackend(BaseBackend):
     @staticmethod
     def _outcome(reply: Any, count: int) -> Outcome:
         """Read the script's reply. Its decisions carry no state to store: the script stored it."""
+        if type(reply) is list and len(reply) == 5 and count == 1:
+            # The common path's integers: now, allowed, value, retry_after (0 for None:
+            # there is one only when denied or in debt), full_after.
+            now, allowed, value, retry_after, full_after = reply
+            retry = retry_after if allowed == 0 or value < 0 else None
+            return _make_outcome([_decision(allowed == 1, value, retry, full_after)], now)
         if isinstance(reply, bytes):
             fields: list[Any] = reply.split(b" ")
             yes: Any = b"1"

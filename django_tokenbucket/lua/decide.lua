@@ -27,12 +27,13 @@
 --          fresh value, fresh ts. Every one is an integer of at most 2^53 in magnitude
 --          (LimitConfig's bounds), which a double holds exactly.
 -- Stored value: "<value> <ts>" (decimal integers), with a TTL.
--- Reply: one string, "<now>" then for each request " <allowed> <value> <retry_after>
+-- Reply: from the common path, the integers now, allowed (1/0), value, retry_after (0
+--        for None) and full_after; from the general path, whose numbers may pass 2^53,
+--        one string, "<now>" then for each request " <allowed> <value> <retry_after>
 --        <full_after>": allowed "1"/"0", "-" for a None retry_after.
--- Few arguments and a one-string reply: redis-py packs every argument and parses every
--- reply element in Python, Redis refuses more than 10 arguments from a connection that
--- has not authenticated yet (it would not say NOAUTH), and cmsgpack reads nine
--- integers faster than Lua parses two of them from text.
+-- Few arguments: Redis refuses more than 10 from a connection that has not
+-- authenticated yet (it would not say NOAUTH), and cmsgpack reads nine integers faster
+-- than Lua parses two of them from text.
 
 local LIMIT = 9007199254740992       -- 2^53: plain numbers hold |x| < LIMIT exactly
 local fmod = math.fmod               -- exact for doubles, unlike Lua 5.1's % operator
@@ -51,204 +52,177 @@ end
 
 -- The common path ---------------------------------------------------------------------
 --
--- Every function here returns nil when a result would leave the exact range; the call
--- then goes to the general path. ``x < LIMIT and x > -LIMIT`` is that check.
-
--- A plain number from a decimal string when it is exact, else nil.
-local function small(s)
-  local n = tonumber(s)
-  if n and n < LIMIT and n > -LIMIT then return n end
-  return nil
-end
-
--- ceil(a / d) for 0 <= a < 2^53 and d >= 1: fmod and the division of an exact multiple are exact.
-local function plain_ceil_div(a, d)
-  local r = fmod(a, d)
-  if r > 0 then return (a - r) / d + 1 end
-  return (a - r) / d
-end
-
--- When a token bucket reaches ``target`` from ``from_value`` at ``from_ts`` (see
--- algorithms.token_bucket), relative to ``now``, which is not before ``from_ts``.
-local function plain_bucket_reach(rate, period, now, target, from_value, from_ts)
-  if from_value >= target then return 0 end
-  local deficit = (target - from_value) * period
-  local behind = now - from_ts
-  if deficit >= LIMIT or behind >= LIMIT then return nil end
-  -- from_ts + ceil(deficit / rate) - now, without a sum past 2^53 for a long wait.
-  return plain_ceil_div(deficit, rate) - behind
-end
-
--- algorithms.token_bucket at ``now`` (not lagging the state): allowed, value,
--- retry_after, full_after, and the state to store (nil: none).
-local function plain_token_bucket(value, ts, now, count, lowest, rate, period, capacity)
-  local back = now < ts
-  local since = ts
-  if back then since = now end
-  local stored = value
-  if stored > capacity then stored = capacity end
-  local elapsed = now - since
-  local deficit = capacity - stored
-  if elapsed >= LIMIT or deficit >= LIMIT then return nil end
-  -- stored + (rate * elapsed) // period >= capacity <=> rate * elapsed >= deficit * period.
-  -- Products that round apart are ordered as the exact ones are, so a fresh or long
-  -- idle bucket (a product far past 2^53) is known full without them being exact.
-  local gained, needed = rate * elapsed, deficit * period
-  local v, vts
-  if gained > needed or (gained == needed and gained < LIMIT) then
-    v, vts = capacity, now
-  elseif gained < needed and gained < LIMIT then
-    local rest = fmod(gained, period)
-    v = stored + (gained - rest) / period
-    vts = now - (rest - fmod(rest, rate)) / rate
-    if vts <= -LIMIT then return nil end
-  else
-    return nil
-  end
-  local after = v - count -- a refund's count is negative
-  if after >= LIMIT or after <= -LIMIT then return nil end
-  if lowest == nil or after >= lowest then
-    local retry
-    if after < 0 then
-      retry = plain_bucket_reach(rate, period, now, 0, after, vts)
-      if retry == nil then return nil end
-    end
-    local full = plain_bucket_reach(rate, period, now, capacity, after, vts)
-    if full == nil then return nil end
-    return true, after, retry, full, after, vts
-  end
-  -- Measured from the stored state, not the re-dated one, so the wait is exact.
-  local retry = plain_bucket_reach(rate, period, now, count + lowest, stored, since)
-  local full = plain_bucket_reach(rate, period, now, capacity, stored, since)
-  if retry == nil or full == nil then return nil end
-  if back then return false, v, retry, full, stored, now end
-  return false, v, retry, full
-end
-
--- When a fixed window's value reaches ``target`` from ``from_value``, relative to now,
--- which is ``into`` past the start of its window.
-local function plain_window_reach(rate, period, into, target, from_value)
-  if from_value >= target then return 0 end
-  local missing = target - from_value
-  if missing >= LIMIT then return nil end
-  local span = plain_ceil_div(missing, rate) * period
-  if span >= LIMIT then return nil end
-  return span - into -- window_start + span - now, without leaving the range
-end
-
--- algorithms.fixed_window at ``now``; ``phase`` is where its windows start, modulo period.
-local function plain_fixed_window(value, ts, now, count, lowest, rate, period, capacity, phase)
-  local back = now < ts
-  local since_phase = now - phase
-  if since_phase >= LIMIT or since_phase <= -LIMIT then return nil end
-  local into = fmod(since_phase, period)
-  if into < 0 then into = into + period end
-  local window_start = now - into
-  if window_start <= -LIMIT then return nil end
-  local windows = 0
-  if window_start > ts then
-    local gap = window_start - ts
-    if gap >= LIMIT then return nil end
-    windows = plain_ceil_div(gap, period)
-  end
-  local missing = capacity - value
-  local v
-  if missing <= 0 then
-    v = capacity
-  else
-    if missing >= LIMIT then return nil end
-    -- A rounded product at or past the exact ``missing`` means the exact one is too.
-    local credit = windows * rate
-    if credit >= missing then
-      v = capacity
-    else
-      v = value + credit -- credit < missing < 2^53: exact
-    end
-  end
-  local after = v - count
-  if after >= LIMIT or after <= -LIMIT then return nil end
-  if lowest == nil or after >= lowest then
-    local retry
-    if after < 0 then
-      retry = plain_window_reach(rate, period, into, 0, after)
-      if retry == nil then return nil end
-    end
-    local full = plain_window_reach(rate, period, into, capacity, after)
-    if full == nil then return nil end
-    return true, after, retry, full, after, window_start
-  end
-  local retry = plain_window_reach(rate, period, into, count + lowest, v)
-  local full = plain_window_reach(rate, period, into, capacity, v)
-  if retry == nil or full == nil then return nil end
-  if back then
-    local kept = value
-    if kept > capacity then kept = capacity end
-    return false, v, retry, full, kept, window_start
-  end
-  return false, v, retry, full
-end
-
--- The call as decide_all makes it for one request; nil when a number leaves the range.
-local function common_path()
-  local now = time_now or small(ARGV[1])
-  if now == nil then return nil end
-  local ok, key_index, count, kind, rate, period, capacity, lowest, fresh_value, fresh_ts =
-    pcall(cmsgpack.unpack, ARGV[3])
-  -- The general path checks the arguments, and takes what is 2^53 exactly.
-  if not ok or key_index ~= 1 or type(fresh_ts) ~= "number" or count >= LIMIT or count <= -LIMIT
-      or rate >= LIMIT or period >= LIMIT or capacity >= LIMIT or (lowest ~= nil and lowest <= -LIMIT)
-      or fresh_value >= LIMIT or fresh_value <= -LIMIT or fresh_ts >= LIMIT or fresh_ts <= -LIMIT then
-    return nil
-  end
-
-  local raw = redis.call("GET", KEYS[1])
-  local value, ts
-  if raw then
-    local v, t = string.match(raw, "^(%-?%d+) (%-?%d+)$")
-    if v == nil then return nil end -- unreadable: the general path says so
-    value, ts = small(v), small(t)
-  else
-    value, ts = fresh_value, fresh_ts
-  end
-  if value == nil or ts == nil then return nil end
-
-  -- algorithms._lagging_clock_time: up to the tolerance behind the stored time, decide at it.
-  local lag = ts - now
-  if lag >= LIMIT or lag <= -LIMIT then return nil end
-  local at = now
-  if lag > 0 and lag <= skew then at = ts end
-  local allowed, v, retry, full, state_value, state_ts
-  if kind == 0 then
-    allowed, v, retry, full, state_value, state_ts = plain_token_bucket(value, ts, at, count, lowest, rate, period, capacity)
-  else
-    allowed, v, retry, full, state_value, state_ts =
-      plain_fixed_window(value, ts, at, count, lowest, rate, period, capacity, fresh_ts)
-  end
-  if allowed == nil then return nil end
-  if at ~= now then
-    -- Waits on the caller's clock, which must run ``lag`` longer to see them end.
-    if retry ~= nil and retry ~= 0 then retry = retry + lag end
-    if full ~= 0 then full = full + lag end
-    if (retry ~= nil and retry >= LIMIT) or full >= LIMIT then return nil end
-  end
-
-  -- Written: an allowed call's state when it changed (or the key is new), a denied
-  -- one's only when it is a rebase after a clock that went backwards.
-  if apply and state_value ~= nil and (not allowed or not raw or state_value ~= value or state_ts ~= ts) then
-    -- Expire when the bucket reads as full (fresh) again: an absent key means exactly that.
-    local ttl = plain_ceil_div(full, 1000)
-    if ttl < min_ttl_ms then ttl = min_ttl_ms end
-    if ttl > max_ttl_ms then ttl = max_ttl_ms end
-    redis.call("SET", KEYS[1], string.format("%d %d", state_value, state_ts), "PX", string.format("%d", ttl))
-  end
-  local wait = "-"
-  if retry ~= nil then wait = string.format("%d", retry) end
-  return string.format("%d %s %d %s %d", now, allowed and "1" or "0", v, wait, full)
-end
+-- One limit, one key. Written inline, without functions: making a Lua function costs
+-- as much as several arithmetic steps, and this runs on every call. Each step that
+-- could leave the exact range is checked (``x < LIMIT and x > -LIMIT``); the first one
+-- that does ``break``s out of the block to the general path, before anything is written.
 
 if #ARGV == 3 and #KEYS == 1 then
-  local reply = common_path()
-  if reply ~= nil then return reply end
+  repeat
+    local now = time_now or tonumber(ARGV[1])
+    if now == nil or now >= LIMIT or now <= -LIMIT then break end
+    local ok, key_index, count, kind, rate, period, capacity, lowest, fresh_value, fresh_ts =
+      pcall(cmsgpack.unpack, ARGV[3])
+    -- The general path checks the arguments, and takes what is 2^53 exactly.
+    if not ok or key_index ~= 1 or type(fresh_ts) ~= "number" or count >= LIMIT or count <= -LIMIT
+        or rate >= LIMIT or period >= LIMIT or capacity >= LIMIT or (lowest ~= nil and lowest <= -LIMIT)
+        or fresh_value >= LIMIT or fresh_value <= -LIMIT or fresh_ts >= LIMIT or fresh_ts <= -LIMIT then
+      break
+    end
+
+    local raw = redis.call("GET", KEYS[1])
+    local value, ts = fresh_value, fresh_ts
+    if raw then
+      local v, t = string.match(raw, "^(%-?%d+) (%-?%d+)$")
+      value, ts = tonumber(v), tonumber(t) -- nil when unreadable: the general path says so
+      if value == nil or value >= LIMIT or value <= -LIMIT or ts >= LIMIT or ts <= -LIMIT then break end
+    end
+
+    -- algorithms._lagging_clock_time: up to the tolerance behind the stored time, decide at it.
+    local lag = ts - now
+    if lag >= LIMIT or lag <= -LIMIT then break end
+    local at = now
+    if lag > 0 and lag <= skew then at = ts end
+    local back = at < ts
+
+    -- allowed, the value reported, the state to store (nil: none), and what the waits
+    -- start from: the value ``from`` and, for a token bucket, its time ``from_ts``.
+    local allowed, v, state_value, state_ts, from, from_ts
+    -- ``retry_target``: the value retry_after waits for (nil: no wait to report).
+    local retry_target
+    -- A fixed window's waits count from the start of its window, ``into`` ago.
+    local into
+    if kind == 0 then
+      -- algorithms.token_bucket
+      local since = ts
+      if back then since = at end
+      local stored = value
+      if stored > capacity then stored = capacity end
+      local elapsed = at - since
+      local deficit = capacity - stored
+      if elapsed >= LIMIT or deficit >= LIMIT then break end
+      -- stored + (rate * elapsed) // period >= capacity <=> rate * elapsed >= deficit * period.
+      -- Products that round apart are ordered as the exact ones are, so a fresh or long
+      -- idle bucket (a product far past 2^53) is known full without them being exact.
+      local gained, needed = rate * elapsed, deficit * period
+      local vts
+      if gained > needed or (gained == needed and gained < LIMIT) then
+        v, vts = capacity, at
+      elseif gained < needed and gained < LIMIT then
+        local rest = fmod(gained, period)
+        v = stored + (gained - rest) / period
+        -- Keep the refill phase: date the value back by the time that earned the rest.
+        vts = at - (rest - fmod(rest, rate)) / rate
+        if vts <= -LIMIT then break end
+      else
+        break
+      end
+      local after = v - count -- a refund's count is negative
+      if after >= LIMIT or after <= -LIMIT then break end
+      if lowest == nil or after >= lowest then
+        allowed, v, state_value, state_ts, from, from_ts = true, after, after, vts, after, vts
+        if after < 0 then retry_target = 0 end
+      else
+        -- Measured from the stored state, not the re-dated one, so the wait is exact.
+        allowed, from, from_ts, retry_target = false, stored, since, count + lowest
+        if back then state_value, state_ts = stored, at end
+      end
+    elseif kind == 1 then
+      -- algorithms.fixed_window; fresh_ts is where its windows start, modulo period.
+      local since_phase = at - fresh_ts
+      if since_phase >= LIMIT or since_phase <= -LIMIT then break end
+      into = fmod(since_phase, period)
+      if into < 0 then into = into + period end
+      local window_start = at - into
+      if window_start <= -LIMIT then break end
+      local windows = 0
+      if window_start > ts then
+        local gap = window_start - ts
+        if gap >= LIMIT then break end
+        local r = fmod(gap, period)
+        windows = (gap - r) / period
+        if r > 0 then windows = windows + 1 end
+      end
+      local missing = capacity - value
+      if missing <= 0 then
+        v = capacity
+      else
+        if missing >= LIMIT then break end
+        -- A rounded product at or past the exact ``missing`` means the exact one is too.
+        local credit = windows * rate
+        if credit >= missing then v = capacity else v = value + credit end
+      end
+      local after = v - count
+      if after >= LIMIT or after <= -LIMIT then break end
+      if lowest == nil or after >= lowest then
+        allowed, v, state_value, state_ts, from = true, after, after, window_start, after
+        if after < 0 then retry_target = 0 end
+      else
+        allowed, from, retry_target = false, v, count + lowest
+        if back then
+          state_value, state_ts = value, window_start
+          if value > capacity then state_value = capacity end
+        end
+      end
+    else
+      break
+    end
+
+    -- The waits until the value reaches retry_target and the capacity, as
+    -- time_to_reach computes them, without a sum past 2^53 for a long wait.
+    local retry, full = nil, 0
+    local gone = false -- a wait that would leave the range
+    for pass = 1, 2 do
+      local target = capacity
+      if pass == 1 then target = retry_target end
+      local wait = nil
+      if target ~= nil then
+        if from >= target then
+          wait = 0
+        elseif kind == 0 then
+          -- from_ts + ceil((target - from) * period / rate) - at
+          local deficit, behind = (target - from) * period, at - from_ts
+          if deficit >= LIMIT or behind >= LIMIT then gone = true; break end
+          local r = fmod(deficit, rate)
+          wait = (deficit - r) / rate - behind
+          if r > 0 then wait = wait + 1 end
+        else
+          -- window_start + ceil((target - from) / rate) * period - at
+          local missing = target - from
+          if missing >= LIMIT then gone = true; break end
+          local r = fmod(missing, rate)
+          local windows = (missing - r) / rate
+          if r > 0 then windows = windows + 1 end
+          local span = windows * period
+          if span >= LIMIT then gone = true; break end
+          wait = span - into
+        end
+      end
+      if pass == 1 then retry = wait else full = wait end
+    end
+    if gone then break end
+    if at ~= now then
+      -- Waits on the caller's clock, which must run ``lag`` longer to see them end.
+      if retry ~= nil and retry ~= 0 then retry = retry + lag end
+      if full ~= 0 then full = full + lag end
+      if (retry ~= nil and retry >= LIMIT) or full >= LIMIT then break end
+    end
+
+    -- Written: an allowed call's state when it changed (or the key is new), a denied
+    -- one's only when it is a rebase after a clock that went backwards.
+    if apply and state_value ~= nil and (not allowed or not raw or state_value ~= value or state_ts ~= ts) then
+      -- Expire when the bucket reads as full (fresh) again: an absent key means exactly that.
+      local r = fmod(full, 1000)
+      local ttl = (full - r) / 1000
+      if r > 0 then ttl = ttl + 1 end
+      if ttl < min_ttl_ms then ttl = min_ttl_ms end
+      if ttl > max_ttl_ms then ttl = max_ttl_ms end
+      redis.call("SET", KEYS[1], string.format("%d %d", state_value, state_ts), "PX", string.format("%d", ttl))
+    end
+    -- Integers, which Redis replies as such: no formatting here, no parsing in Python.
+    -- A retry_after is there when denied or in debt (value < 0): 0 stands for None.
+    return { now, allowed and 1 or 0, v, retry or 0, full }
+  until true
 end
 
 -- The general path --------------------------------------------------------------------
