@@ -41,6 +41,7 @@ from django_tokenbucket.backends.redis import (
     _client_retries,
     _decision,
     _make_outcome,
+    _msgpack,
     state_key,
 )
 from django_tokenbucket.config import FIXED_WINDOW, LimitConfig, parse_limit
@@ -642,6 +643,27 @@ class TestHotKey:
             assert figures["admitted"] == 10
             assert limiter.get_value("h5-loose", "k", config=loose) == 990
             assert limiter.get_value("h5-tight", "k", config=tight) == 0
+
+
+def test_malformed_arguments_are_named_in_the_scripts_error(backend):
+    """The common path leaves what it cannot read to the general path, which says what is wrong."""
+    client = backend.client()
+    key = backend.key(ONE_PER_SECOND, ALICE)
+    header = _msgpack(1, 1, MAX_TTL_MS, 5 * MICRO)
+    good = _msgpack(1, MICRO, 0, MICRO, MICRO, MICRO, 0, MICRO, 0)
+    assert client.eval(SCRIPT, 1, key, "-", header, good)[1] == 1  # the common path's integers
+    cases = [
+        ("-", b"\xd3\x00", good, "malformed header"),  # truncated MessagePack
+        ("-", header, good[:-3], "malformed request 1"),
+        ("-", header, _msgpack(2, MICRO, 0, MICRO, MICRO, MICRO, 0, MICRO, 0), "malformed request 1"),  # no key 2
+        ("-", header, _msgpack(1, MICRO, 7, MICRO, MICRO, MICRO, 0, MICRO, 0), "malformed request 1"),  # kind 7
+        ("-", header, _msgpack(1, MICRO, 0, 0, MICRO, MICRO, 0, MICRO, 0), "malformed request 1"),  # rate 0
+        ("soon", header, good, "not an integer"),
+    ]
+    for now, head, request, message in cases:
+        with pytest.raises(redis.exceptions.ResponseError, match=message):
+            client.eval(SCRIPT, 1, key, now, head, request)
+    client.delete(key)
 
 
 def test_the_replys_decisions_are_what_the_constructors_make():

@@ -65,7 +65,8 @@ if #ARGV == 3 and #KEYS == 1 then
       pcall(cmsgpack.unpack, ARGV[3])
     -- The general path checks the arguments, and takes what is 2^53 exactly.
     if not ok or key_index ~= 1 or type(fresh_ts) ~= "number" or count >= LIMIT or count <= -LIMIT
-        or rate >= LIMIT or period >= LIMIT or capacity >= LIMIT or (lowest ~= nil and lowest <= -LIMIT)
+        or rate >= LIMIT or rate < 1 or period >= LIMIT or period < 1 or capacity >= LIMIT
+        or (lowest ~= nil and lowest <= -LIMIT)
         or fresh_value >= LIMIT or fresh_value <= -LIMIT or fresh_ts >= LIMIT or fresh_ts <= -LIMIT then
       break
     end
