@@ -48,8 +48,8 @@ MAX_AMOUNT = 2**53
 #: clocks cannot credit their skew again each time they take turns. A clock further back
 #: is taken to have jumped, and the state follows it rather than locking everyone out
 #: until it catches up. Keep app servers' clocks well within this (NTP keeps them within
-#: milliseconds), or use ``CLOCK = "store"``. ``lua/decide.lua`` holds the same
-#: figure; the PostgreSQL functions take it as an argument.
+#: milliseconds), or use ``CLOCK = "store"``. The Redis backend passes it to
+#: ``lua/decide.lua`` with every call, and the PostgreSQL functions take it as an argument.
 CLOCK_SKEW_TOLERANCE = 5 * MICRO
 
 

@@ -162,7 +162,7 @@ class Limiter:
         ``status.retry_after`` says when they exist. With ``throws=True`` a denial
         raises RateLimited instead of returning ``ok=False``.
         """
-        return self._drive(self._one(name, key, count, reserve, config, apply=True, throws=throws))
+        return self._decide_one(name, key, count, reserve, config, apply=True, throws=throws)
 
     async def alimit(
         self,
@@ -186,7 +186,7 @@ class Limiter:
         config: ConfigSpec | None = None,
     ) -> Status:
         """Return what ``limit()`` would return with the same arguments, changing nothing."""
-        return self._drive(self._one(name, key, count, reserve, config, apply=False, throws=throws))
+        return self._decide_one(name, key, count, reserve, config, apply=False, throws=throws)
 
     async def acheck(
         self,
@@ -372,16 +372,64 @@ class Limiter:
         One limit is one group (enforced or shadowed alike), applied as asked, and its
         MultiStatus would say what its only Status says.
         """
-        if not isinstance(reserve, bool):
-            raise ValueError(f"rate limit {name!r}: reserve must be a bool, not {reserve!r}")
-        limit = self.resolve(name, config)
+        limit = self._resolve_one(name, reserve, config)
         if limit.shards > 1:
             item = LimitRequest(name, key, count, reserve, config)
             statuses = yield from self._many([item], apply=apply, throws=throws)
             return statuses[0]
-        micro = limit.validate_count(count, reserve)
-        request = Request(limit, self._encode(limit, key), micro, reserve)
+        request = self._one_request(limit, key, count, reserve)
         outcome = yield _Decide(limit, [request], apply=apply)
+        return self._one_status(limit, key, count, request.count, outcome, apply=apply, throws=throws)
+
+    def _decide_one(
+        self,
+        name: str,
+        key: object,
+        count: int | float,
+        reserve: bool,
+        config: ConfigSpec | None,
+        *,
+        apply: bool,
+        throws: bool,
+    ) -> Status:
+        """``_drive(_one(...))``, with the backend called directly for an unsharded limit.
+
+        That is the call on every request of most sites, and its one decision needs no
+        plan: a generator, its step and their driver cost as much as the rest of this
+        layer (issue 19).
+        """
+        limit = self._resolve_one(name, reserve, config)
+        if limit.shards > 1:
+            return self._drive(self._one(name, key, count, reserve, config, apply=apply, throws=throws))
+        request = self._one_request(limit, key, count, reserve)
+        try:
+            outcome: Outcome | None = self.backend(limit).decide([request], apply=apply)
+        except BackendError as exc:
+            self._store_failed(_Decide(limit, [request], apply=apply), exc)
+            outcome = None
+        return self._one_status(limit, key, count, request.count, outcome, apply=apply, throws=throws)
+
+    def _resolve_one(self, name: str, reserve: bool, config: ConfigSpec | None) -> LimitConfig:
+        if not isinstance(reserve, bool):
+            raise ValueError(f"rate limit {name!r}: reserve must be a bool, not {reserve!r}")
+        return self.resolve(name, config)
+
+    def _one_request(self, limit: LimitConfig, key: object, count: int | float, reserve: bool) -> Request:
+        micro = limit.validate_count(count, reserve)
+        return Request(limit, self._encode(limit, key), micro, reserve)
+
+    def _one_status(
+        self,
+        limit: LimitConfig,
+        key: object,
+        count: int | float,
+        micro: int,
+        outcome: Outcome | None,
+        *,
+        apply: bool,
+        throws: bool,
+    ) -> Status:
+        """Return the Status of one limit's decision (None: failed open), reported and raised as asked."""
         if outcome is None:
             status = self._failed_open(limit, key, count)
         else:

@@ -242,8 +242,8 @@ def window_move_trace() -> list:
 
 def clock_skew_trace() -> list:
     """Clocks exactly at, and one microsecond past, CLOCK_SKEW_TOLERANCE behind the stored
-    state, on a token bucket and a fixed window: the constant is written out again in
-    the Lua script and the SQL, and this holds the three to the same figure."""
+    state, on a token bucket and a fixed window: the Lua script is passed the constant and
+    the SQL writes it out again, and this holds the three to the same figure."""
     bucket = _config(name="bucket", rate=MICRO, period=MICRO, capacity=10 * MICRO)
     window = _config(FIXED_WINDOW, name="window", rate=5 * MICRO, period=10 * MICRO, capacity=8 * MICRO, start=0)
     trace = []

@@ -305,3 +305,27 @@ def test_bool_key_is_rejected_end_to_end():
     with pytest.raises((TypeError, ValueError)):
         limiter.limit("login", key=True)
     assert not RateLimit.objects.exists()
+
+
+# ---------------------------------------------------------------------------------------
+# The digest is HMAC-SHA-256 of the encoding, computed from prepared hashes
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("secret", ["short", "s" * 64, "a secret longer than the 64-byte block of SHA-256 " * 3])
+def test_the_digest_is_the_hmac_of_the_encoding(settings, secret):
+    """Issue 19: the HMAC is assembled from hashlib copies; it must stay the standard one."""
+    import hashlib
+    import hmac
+
+    settings.TOKENBUCKET = {**settings.TOKENBUCKET, "KEY_SECRET": secret}
+    for key, encoding in [("alice", b"s5:alice"), ("é", b"s2:\xc3\xa9"), (("a", 7), b"t2:s1:ai1:7"), (None, b"N")]:
+        expected = hmac.new(secret.encode(), encoding, hashlib.sha256).hexdigest()
+        assert encode_key(key).digest == expected
+        assert encode_key(key).digest == expected  # and again, from the recent keys
+
+
+def test_a_new_secret_forgets_the_recent_keys(settings):
+    before = encode_key("bob").digest
+    settings.TOKENBUCKET = {**settings.TOKENBUCKET, "KEY_SECRET": "another"}
+    assert encode_key("bob").digest != before

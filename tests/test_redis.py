@@ -13,8 +13,9 @@ import logging
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 from functools import partial
+from importlib import resources
 
 import pytest
 import redis
@@ -29,12 +30,22 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
 from django_tokenbucket import BackendUnavailable, LimitRequest, limiter
-from django_tokenbucket.algorithms import MICRO, State
+from django_tokenbucket.algorithms import MAX_AMOUNT, MICRO, Decision, State
 from django_tokenbucket.backends import get_backend
-from django_tokenbucket.backends.base import Request
-from django_tokenbucket.backends.redis import MAX_TTL_MS, SCRIPT, RedisBackend, _client_retries, state_key
+from django_tokenbucket.backends.base import BackendError, Outcome, Request
+from django_tokenbucket.backends.redis import (
+    BIGNUM_MARKER,
+    MAX_TTL_MS,
+    SCRIPT,
+    RedisBackend,
+    _client_retries,
+    _decision,
+    _make_outcome,
+    _msgpack,
+    state_key,
+)
 from django_tokenbucket.keys import encode_key
-from django_tokenbucket.limits import LimitConfig, parse_limit
+from django_tokenbucket.limits import FIXED_WINDOW, LimitConfig, parse_limit
 from django_tokenbucket.testing import frozen_clock
 
 from . import parity
@@ -115,6 +126,103 @@ def test_lua_and_python_agree_when_a_window_moves(backend):
 
 def test_lua_and_python_agree_at_the_clock_skew_tolerance(backend):
     replay(backend, T0_US, parity.clock_skew_trace())
+
+
+# The script's two paths: the common one in plain doubles, and the general one (bignum.lua).
+# A script cut at the marker where bignum.lua is joined runs the common path alone and
+# answers "general path" where the whole script would go on: the boundary is seen exactly.
+
+COMMON_PATH_ONLY = (
+    resources.files("django_tokenbucket").joinpath("lua", "decide.lua").read_text(encoding="utf-8").partition(BIGNUM_MARKER)[0]
+    + 'return redis.error_reply("django_tokenbucket: the general path")\n'
+)
+
+
+class CommonPathOnly(RedisBackend):
+    def _run(self, client, keys, argv):
+        return client.execute_command("EVAL", COMMON_PATH_ONLY, len(keys), *keys, *argv)
+
+
+@pytest.fixture
+def common_only(backend):
+    return CommonPathOnly(backend.options)
+
+
+M53 = MAX_AMOUNT  # 2^53
+#: (id, config, trace of (dt, [(count, reserve)]), start time, whether the common path
+#: decides the last step; every earlier step it decides).
+PATHS = [
+    ("capacity-2^53-1", parity._config(rate=M53 - 1, period=1, capacity=M53 - 1), [(0, [(M53 - 1, False)])], T0_US, True),
+    ("capacity-2^53", parity._config(rate=M53, period=1, capacity=M53), [(0, [(M53, False)])], T0_US, False),
+    # full_after multiplies the deficit by the period: just below, and at 2^53.
+    ("wait-product-below", parity._config(rate=1, period=2**27, capacity=2**26 - 1), [(0, [(2**26 - 1, False)])], T0_US, True),
+    ("wait-product-at", parity._config(rate=1, period=2**27, capacity=2**26), [(0, [(2**26, False)])], T0_US, False),
+    # A partial refill after a long idle time: rate * elapsed just below and at 2^53.
+    (
+        "refill-product-below",
+        parity._config(rate=2**26, period=2**27, capacity=2**26 - 1),
+        [(0, [(2**26 - 1, False)]), (2**27 - 1, [(1, False)])],
+        T0_US,
+        True,
+    ),
+    # A deep debt (uncapped reservations) and a wait far past 2^53 µs from now: the common
+    # path, until the value itself passes -2^53.
+    ("debt-below", parity._config(rate=1, period=1, capacity=1), [(0, [(M53 - 1, True)])], T0_US, True),
+    ("debt-past", parity._config(rate=1, period=1, capacity=1), [(0, [(M53 - 1, True)]), (0, [(M53 - 1, True)])], T0_US, False),
+    # A fresh or long idle bucket: rate * elapsed far past 2^53 is known full without it.
+    ("idle-huge-product", parity._config(rate=M53 - 1, period=1, capacity=3), [(0, [(3, False)]), (2**52, [(2, False)])], T0_US, True),
+    # The clock itself: just below 2^53 µs, then at it.
+    ("now-2^53", parity._config(rate=MICRO, period=MICRO, capacity=MICRO), [(0, [(1, False)]), (1, [(1, False)])], M53 - 1, False),
+    (
+        "window-below",
+        parity._config(FIXED_WINDOW, rate=M53 - 1, period=M53 - 1, capacity=M53 - 1, start=0),
+        [(0, [(M53 - 1, False)]), (5, [(1, False)])],
+        T0_US,
+        True,
+    ),
+    (
+        "window-debt-past",
+        parity._config(FIXED_WINDOW, rate=1, period=1, capacity=1, start=0),
+        [(0, [(M53 - 1, True)]), (1, [(M53 - 1, True)])],
+        T0_US,
+        False,
+    ),
+]
+
+
+@pytest.mark.parametrize("config, trace, start, common", [case[1:] for case in PATHS], ids=[case[0] for case in PATHS])
+def test_the_common_path_stops_exactly_where_doubles_stop_being_exact(backend, common_only, config, trace, start, common):
+    """Below 2^53 the common path decides as Python does; at or past it, the general path does."""
+    steps = parity.beyond_53_bits_trace(config, trace)
+    replay(backend, start, steps)  # the whole script: Python's results either way
+    if common:
+        replay(common_only, start, steps)
+    else:
+        replay(common_only, start, steps[:-1])
+        with pytest.raises(BackendError, match="the general path"):
+            replay(common_only, start, steps)
+
+
+def test_the_general_path_decides_one_limit_as_the_common_path_does(backend):
+    """The general path also takes single requests (past 2^53): on small numbers too, it agrees."""
+    general_only = SCRIPT.replace("if #ARGV == 3 and #KEYS == 1 then", "if false then", 1)
+    assert general_only != SCRIPT
+
+    class GeneralPathOnly(RedisBackend):
+        def _run(self, client, keys, argv):
+            return client.execute_command("EVAL", general_only, len(keys), *keys, *argv)
+
+    config = parity._config(rate=5 * MICRO, period=MICRO, capacity=10 * MICRO, max_reserved=3 * MICRO)
+    window = parity._config(FIXED_WINDOW, rate=5 * MICRO, period=10 * MICRO, capacity=8 * MICRO)
+    trace = [
+        (0, [Request(config, ALICE, 9 * MICRO)], True),
+        (123_457, [Request(config, ALICE, 3 * MICRO, True)], True),
+        (1, [Request(config, ALICE, MICRO, True)], True),
+        (-3 * MICRO, [Request(window, ALICE, 7 * MICRO)], True),
+        (MICRO, [Request(window, ALICE, 2 * MICRO)], True),
+        (20 * MICRO, [Request(window, ALICE, 0)], False),
+    ]
+    replay(GeneralPathOnly(backend.options), T0_US, trace)
 
 
 # ---------------------------------------------------------------------------------------
@@ -537,8 +645,43 @@ class TestHotKey:
             assert limiter.get_value("h5-tight", "k", config=tight) == 0
 
 
+def test_malformed_arguments_are_named_in_the_scripts_error(backend):
+    """The common path leaves what it cannot read to the general path, which says what is wrong."""
+    client = backend.client()
+    key = backend.key(ONE_PER_SECOND, ALICE)
+    header = _msgpack(1, 1, MAX_TTL_MS, 5 * MICRO)
+    good = _msgpack(1, MICRO, "t", MICRO, MICRO, MICRO, 0, MICRO, 0)
+    assert client.eval(SCRIPT, 1, key, "-", header, good)[1] == 1  # the common path's integers
+    cases = [
+        ("-", b"\xd3\x00", good, "malformed header"),  # truncated MessagePack
+        ("-", header, good[:-3], "malformed request 1"),
+        ("-", header, _msgpack(2, MICRO, "t", MICRO, MICRO, MICRO, 0, MICRO, 0), "malformed request 1"),  # no key 2
+        ("-", header, _msgpack(1, MICRO, "x", MICRO, MICRO, MICRO, 0, MICRO, 0), "malformed request 1"),  # no such kind
+        ("-", header, _msgpack(1, MICRO, "t", 0, MICRO, MICRO, 0, MICRO, 0), "malformed request 1"),  # rate 0
+        ("soon", header, good, "not an integer"),
+    ]
+    for now, head, request, message in cases:
+        with pytest.raises(redis.exceptions.ResponseError, match=message):
+            client.eval(SCRIPT, 1, key, now, head, request)
+    client.delete(key)
+
+
+def test_the_replys_decisions_are_what_the_constructors_make():
+    """_decision and _make_outcome fill __dict__ at once; they must make equal objects."""
+    fast = _decision(False, -3, 7, 11)
+    assert fast == Decision(False, -3, 7, 11, None) and hash(fast) == hash(Decision(False, -3, 7, 11, None))
+    assert repr(fast) == repr(Decision(False, -3, 7, 11, None))
+    with pytest.raises(FrozenInstanceError):
+        fast.value = 4  # type: ignore[misc]
+    assert _make_outcome([fast], 5) == Outcome([Decision(False, -3, 7, 11, None)], 5)
+    assert RedisBackend._outcome(b"5 0 -3 7 11", 1) == Outcome([fast], 5)
+    assert RedisBackend._outcome("5 1 2 - 0", 1) == Outcome([Decision(True, 2, None, 0, None)], 5)
+
+
 def test_the_script_is_package_data():
     assert "decide_all" in SCRIPT and "redis.call" in SCRIPT
+    # bignum.lua joined in place of its marker: one script, one SHA.
+    assert BIGNUM_MARKER not in SCRIPT and "local function mag_mul" in SCRIPT
     assert MAX_TTL_MS == 2**53
 
 

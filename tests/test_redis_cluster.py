@@ -227,7 +227,7 @@ def test_async_decisions_run_on_the_asyncio_cluster_client(cluster, redis_backen
         await limiter.areset("burst", users[1])
         from django_tokenbucket.backends import redis as redis_module
 
-        return await redis_backend.asyncio_clients.client(redis_module._caches_generation)
+        return await redis_backend.asyncio_clients.client(redis_module._settings_generation)
 
     with frozen_clock(T0):
         client = asyncio.run(decide())

@@ -1,278 +1,235 @@
 -- django_tokenbucket: one atomic decision over one or more limits (RedisBackend).
 --
--- This is a line-for-line port of algorithms.token_bucket, algorithms.fixed_window and
--- backends.base.decide_all. Python's integers are unbounded and Lua's numbers are IEEE
--- doubles, so every operation goes through the exact helpers below: an integer stays a
--- plain number while |x| <= 2^53 and becomes a small bignum only when a product or a
--- sum leaves that range (fresh buckets, long idle times, huge configs, deep debts).
--- tests/test_redis.py replays generated traces through this script and through
--- Python and requires identical decisions, values, waits and stored states.
+-- A port of algorithms.token_bucket, algorithms.fixed_window and backends.base.decide_all.
+-- Python's integers are unbounded and Lua's numbers are IEEE doubles, so the script has
+-- two paths with the same results:
+--
+-- * the common path: one limit, one key, every input below 2^53, in plain double
+--   arithmetic. Integer sums, differences and products of doubles are exact while the
+--   true result is below 2^53, and rounding is monotonic, so a result that reads below
+--   2^53 was exact: each step that could leave the range is checked, and the first one
+--   that does sends the call to the general path (nothing has been written yet).
+-- * the general path: any number of limits, any magnitude, through the exact helpers
+--   of bignum.lua, which the backend joins in below (one script, one SHA). Reaching it
+--   only when needed spares the common call the making of its ~30 functions.
+--
+-- tests/test_redis.py replays generated traces through this script and through Python
+-- and requires identical decisions, values, waits and stored states, on both paths.
 --
 -- KEYS: the state key of every distinct (name, key) row of the call.
--- ARGV[1]: "<now> <apply> <min_ttl_ms> <max_ttl_ms>": now in microseconds ("-" = Redis
---          TIME), apply "1" to consume or "0" only to read.
--- ARGV[2..n+1]: one request each, "<key index> <count> <kind> <rate> <period> <capacity>
---          <lowest> <fresh value> <fresh ts>": kind "t" token bucket or "f" fixed window,
---          lowest "-" when reservations are uncapped.
+-- ARGV[1]: now in microseconds (a decimal integer), or "-" for Redis' TIME.
+-- ARGV[2]: MessagePack integers apply (1 to consume, 0 only to read), min_ttl_ms,
+--          max_ttl_ms, skew: algorithms.CLOCK_SKEW_TOLERANCE (a clock up to this far
+--          behind the stored time lags another host's: it decides at the stored time,
+--          and its non-zero waits are longer by the lag).
+-- ARGV[2 + i]: request i, MessagePack: key index, count, kind (its code in
+--          algorithms.ALGORITHMS: "t" token bucket, "f" fixed window), rate, period,
+--          capacity, lowest (nil when reservations are uncapped), fresh value, fresh ts.
+--          Every number is an integer of at most 2^53 in magnitude (LimitConfig's
+--          bounds), which a double holds exactly.
 -- Stored value: "<value> <ts>" (decimal integers), with a TTL.
--- Reply: one string, "<now>" then for each request " <allowed> <value> <retry_after>
---        <full_after> <state value> <state ts>": allowed "1"/"0", "-" for a None
---        retry_after and for no state to store.
--- One argument per request and a one-string reply: redis-py packs every argument and
--- parses every reply element in Python, at a few microseconds each.
+-- Reply: from the common path, the integers now, allowed (1/0), value, retry_after (0
+--        for None) and full_after; from the general path, whose numbers may pass 2^53,
+--        one string, "<now>" then for each request " <allowed> <value> <retry_after>
+--        <full_after>": allowed "1"/"0", "-" for a None retry_after.
+-- Few arguments: Redis refuses more than 10 from a connection that has not
+-- authenticated yet (it would not say NOAUTH), and cmsgpack reads nine integers faster
+-- than Lua parses two of them from text.
 
-local B = 16777216                   -- 2^24: limb base of the bignums
-local LIMIT = 9007199254740992       -- 2^53: plain numbers hold |x| <= LIMIT exactly
+local LIMIT = 9007199254740992       -- 2^53: plain numbers hold |x| < LIMIT exactly
 local fmod = math.fmod               -- exact for doubles, unlike Lua 5.1's % operator
-local type = type
+local tonumber = tonumber
 
--- Magnitudes: arrays of base-2^24 limbs, least significant first, no leading zeros.
-
-local function isbig(x) return type(x) == "table" end
-
-local function mag_from_plain(m)
-  local t, i = {}, 0
-  while m > 0 do
-    local r = fmod(m, B)
-    i = i + 1
-    t[i] = r
-    m = (m - r) / B
-  end
-  return t
+local ok_header, apply, min_ttl_ms, max_ttl_ms, skew = pcall(cmsgpack.unpack, ARGV[2] or "")
+if not ok_header or type(skew) ~= "number" or (apply ~= 0 and apply ~= 1) then
+  return redis.error_reply("django_tokenbucket: malformed header: " .. tostring(ARGV[2]))
+end
+apply = apply == 1
+local time_now
+if ARGV[1] == "-" then
+  local t = redis.call("TIME")
+  time_now = tonumber(t[1]) * 1000000 + tonumber(t[2]) -- below 2^53 until the year 2255
 end
 
-local function mag_trim(a)
-  local n = #a
-  while n > 0 and a[n] == 0 do
-    a[n] = nil
-    n = n - 1
-  end
-  return a
-end
+-- The common path ---------------------------------------------------------------------
+--
+-- One limit, one key. Written inline, without functions: making a Lua function costs
+-- as much as several arithmetic steps, and this runs on every call. Each step that
+-- could leave the exact range is checked (``x < LIMIT and x > -LIMIT``); the first one
+-- that does ``break``s out of the block to the general path, before anything is written.
 
-local function mag_cmp(a, b)
-  if #a ~= #b then return #a < #b and -1 or 1 end
-  for i = #a, 1, -1 do
-    if a[i] ~= b[i] then return a[i] < b[i] and -1 or 1 end
-  end
-  return 0
-end
-
-local function mag_add(a, b)
-  local r, carry = {}, 0
-  for i = 1, math.max(#a, #b) do
-    local s = (a[i] or 0) + (b[i] or 0) + carry
-    if s >= B then r[i] = s - B; carry = 1 else r[i] = s; carry = 0 end
-  end
-  if carry > 0 then r[#r + 1] = carry end
-  return r
-end
-
-local function mag_sub(a, b) -- requires a >= b
-  local r, borrow = {}, 0
-  for i = 1, #a do
-    local s = a[i] - (b[i] or 0) - borrow
-    if s < 0 then r[i] = s + B; borrow = 1 else r[i] = s; borrow = 0 end
-  end
-  return mag_trim(r)
-end
-
-local function mag_mul(a, b)
-  local r, na, nb = {}, #a, #b
-  for i = 1, na + nb do r[i] = 0 end
-  for i = 1, na do
-    local carry, ai = 0, a[i]
-    for j = 1, nb do
-      local t = r[i + j - 1] + ai * b[j] + carry -- < 2^49: exact
-      local lo = fmod(t, B)
-      r[i + j - 1] = lo
-      carry = (t - lo) / B
+if #ARGV == 3 and #KEYS == 1 then
+  repeat
+    local now = time_now or tonumber(ARGV[1])
+    if now == nil or now >= LIMIT or now <= -LIMIT then break end
+    local ok, key_index, count, kind, rate, period, capacity, lowest, fresh_value, fresh_ts =
+      pcall(cmsgpack.unpack, ARGV[3])
+    -- The general path checks the arguments, and takes what is 2^53 exactly.
+    if not ok or key_index ~= 1 or type(fresh_ts) ~= "number" or count >= LIMIT or count <= -LIMIT
+        or rate >= LIMIT or rate < 1 or period >= LIMIT or period < 1 or capacity >= LIMIT
+        or (lowest ~= nil and lowest <= -LIMIT)
+        or fresh_value >= LIMIT or fresh_value <= -LIMIT or fresh_ts >= LIMIT or fresh_ts <= -LIMIT then
+      break
     end
-    local k = i + nb
-    while carry > 0 do
-      local t = r[k] + carry
-      local lo = fmod(t, B)
-      r[k] = lo
-      carry = (t - lo) / B
-      k = k + 1
-    end
-  end
-  return mag_trim(r)
-end
 
--- Divide a magnitude by a plain 1 <= d <= 2^53; return the quotient and the remainder.
-local function mag_divmod(a, d)
-  local q, r = {}, 0
-  if d * B <= LIMIT then
-    -- Short division: r * 2^24 + limb stays exact.
-    for i = #a, 1, -1 do
-      local t = r * B + a[i]
-      r = fmod(t, d)
-      q[i] = (t - r) / d
+    local raw = redis.call("GET", KEYS[1])
+    local value, ts = fresh_value, fresh_ts
+    if raw then
+      local v, t = string.match(raw, "^(%-?%d+) (%-?%d+)$")
+      value, ts = tonumber(v), tonumber(t) -- nil when unreadable: the general path says so
+      if value == nil or value >= LIMIT or value <= -LIMIT or ts >= LIMIT or ts <= -LIMIT then break end
     end
-    return mag_trim(q), r
-  end
-  -- Bit by bit, never forming 2r (which could pass 2^53): 2r + bit >= d <=> r >= d - r - bit.
-  for i = #a, 1, -1 do
-    local limb, qlimb, p = a[i], 0, B
-    for _ = 1, 24 do
-      p = p / 2
-      local b = 0
-      if limb >= p then b = 1; limb = limb - p end
-      local e = d - r
-      if r >= e - b then
-        r = r - e + b
-        qlimb = qlimb + p
+
+    -- algorithms._lagging_clock_time: up to the tolerance behind the stored time, decide at it.
+    local lag = ts - now
+    if lag >= LIMIT or lag <= -LIMIT then break end
+    local at = now
+    if lag > 0 and lag <= skew then at = ts end
+    local back = at < ts
+
+    -- allowed, the value reported, the state to store (nil: none), and what the waits
+    -- start from: the value ``from`` and, for a token bucket, its time ``from_ts``.
+    local allowed, v, state_value, state_ts, from, from_ts
+    -- ``retry_target``: the value retry_after waits for (nil: no wait to report).
+    local retry_target
+    -- A fixed window's waits count from the start of its window, ``into`` ago.
+    local into
+    if kind == "t" then
+      -- algorithms.token_bucket
+      local since = ts
+      if back then since = at end
+      local stored = value
+      if stored > capacity then stored = capacity end
+      local elapsed = at - since
+      local deficit = capacity - stored
+      if elapsed >= LIMIT or deficit >= LIMIT then break end
+      -- stored + (rate * elapsed) // period >= capacity <=> rate * elapsed >= deficit * period.
+      -- Products that round apart are ordered as the exact ones are, so a fresh or long
+      -- idle bucket (a product far past 2^53) is known full without them being exact.
+      local gained, needed = rate * elapsed, deficit * period
+      local vts
+      if gained > needed or (gained == needed and gained < LIMIT) then
+        v, vts = capacity, at
+      elseif gained < needed and gained < LIMIT then
+        local rest = fmod(gained, period)
+        v = stored + (gained - rest) / period
+        -- Keep the refill phase: date the value back by the time that earned the rest.
+        vts = at - (rest - fmod(rest, rate)) / rate
+        if vts <= -LIMIT then break end
       else
-        r = r + r + b
+        break
       end
+      local after = v - count -- a refund's count is negative
+      if after >= LIMIT or after <= -LIMIT then break end
+      if lowest == nil or after >= lowest then
+        allowed, v, state_value, state_ts, from, from_ts = true, after, after, vts, after, vts
+        if after < 0 then retry_target = 0 end
+      else
+        -- Measured from the stored state, not the re-dated one, so the wait is exact.
+        allowed, from, from_ts, retry_target = false, stored, since, count + lowest
+        if back then state_value, state_ts = stored, at end
+      end
+    elseif kind == "f" then
+      -- algorithms.fixed_window; fresh_ts is where its windows start, modulo period.
+      local since_phase = at - fresh_ts
+      if since_phase >= LIMIT or since_phase <= -LIMIT then break end
+      into = fmod(since_phase, period)
+      if into < 0 then into = into + period end
+      local window_start = at - into
+      if window_start <= -LIMIT then break end
+      local windows = 0
+      if window_start > ts then
+        local gap = window_start - ts
+        if gap >= LIMIT then break end
+        local r = fmod(gap, period)
+        windows = (gap - r) / period
+        if r > 0 then windows = windows + 1 end
+      end
+      local missing = capacity - value
+      if missing <= 0 then
+        v = capacity
+      else
+        if missing >= LIMIT then break end
+        -- A rounded product at or past the exact ``missing`` means the exact one is too.
+        local credit = windows * rate
+        if credit >= missing then v = capacity else v = value + credit end
+      end
+      local after = v - count
+      if after >= LIMIT or after <= -LIMIT then break end
+      if lowest == nil or after >= lowest then
+        allowed, v, state_value, state_ts, from = true, after, after, window_start, after
+        if after < 0 then retry_target = 0 end
+      else
+        allowed, from, retry_target = false, v, count + lowest
+        if back then
+          state_value, state_ts = value, window_start
+          if value > capacity then state_value = capacity end
+        end
+      end
+    else
+      break
     end
-    q[i] = qlimb
-  end
-  return mag_trim(q), r
+
+    -- The waits until the value reaches retry_target and the capacity, as
+    -- time_to_reach computes them, without a sum past 2^53 for a long wait.
+    local retry, full = nil, 0
+    local gone = false -- a wait that would leave the range
+    for pass = 1, 2 do
+      local target = capacity
+      if pass == 1 then target = retry_target end
+      local wait = nil
+      if target ~= nil then
+        if from >= target then
+          wait = 0
+        elseif kind == "t" then
+          -- from_ts + ceil((target - from) * period / rate) - at
+          local deficit, behind = (target - from) * period, at - from_ts
+          if deficit >= LIMIT or behind >= LIMIT then gone = true; break end
+          local r = fmod(deficit, rate)
+          wait = (deficit - r) / rate - behind
+          if r > 0 then wait = wait + 1 end
+        else
+          -- window_start + ceil((target - from) / rate) * period - at
+          local missing = target - from
+          if missing >= LIMIT then gone = true; break end
+          local r = fmod(missing, rate)
+          local windows = (missing - r) / rate
+          if r > 0 then windows = windows + 1 end
+          local span = windows * period
+          if span >= LIMIT then gone = true; break end
+          wait = span - into
+        end
+      end
+      if pass == 1 then retry = wait else full = wait end
+    end
+    if gone then break end
+    if at ~= now then
+      -- Waits on the caller's clock, which must run ``lag`` longer to see them end.
+      if retry ~= nil and retry ~= 0 then retry = retry + lag end
+      if full ~= 0 then full = full + lag end
+      if (retry ~= nil and retry >= LIMIT) or full >= LIMIT then break end
+    end
+
+    -- Written: an allowed call's state when it changed (or the key is new), a denied
+    -- one's only when it is a rebase after a clock that went backwards.
+    if apply and state_value ~= nil and (not allowed or not raw or state_value ~= value or state_ts ~= ts) then
+      -- Expire when the bucket reads as full (fresh) again: an absent key means exactly that.
+      local r = fmod(full, 1000)
+      local ttl = (full - r) / 1000
+      if r > 0 then ttl = ttl + 1 end
+      if ttl < min_ttl_ms then ttl = min_ttl_ms end
+      if ttl > max_ttl_ms then ttl = max_ttl_ms end
+      redis.call("SET", KEYS[1], string.format("%d %d", state_value, state_ts), "PX", string.format("%d", ttl))
+    end
+    -- Integers, which Redis replies as such: no formatting here, no parsing in Python.
+    -- A retry_after is there when denied or in debt (value < 0): 0 stands for None.
+    return { now, allowed and 1 or 0, v, retry or 0, full }
+  until true
 end
 
--- Integers: a plain number when |x| <= 2^53, else a magnitude with a .neg flag.
+-- The general path --------------------------------------------------------------------
 
-local function norm(neg, mag)
-  local n = #mag
-  if n <= 2 or (n == 3 and (mag[3] < 32 or (mag[3] == 32 and mag[2] == 0 and mag[1] == 0))) then
-    local v = 0
-    for i = n, 1, -1 do v = v * B + mag[i] end
-    if neg and v ~= 0 then v = -v end
-    return v
-  end
-  mag.neg = neg
-  return mag
-end
-
-local function split(x) -- -> neg, magnitude (never modified by the callers)
-  if isbig(x) then return x.neg, x end
-  if x < 0 then return true, mag_from_plain(-x) end
-  return false, mag_from_plain(x)
-end
-
-local function add(a, b)
-  if type(a) == "number" and type(b) == "number" then
-    -- Exact when the true sum is below 2^53; rounding is monotonic, so a sum of
-    -- 2^53 or more never rounds below it.
-    local s = a + b
-    if s < LIMIT and s > -LIMIT then return s end
-  end
-  local an, am = split(a)
-  local bn, bm = split(b)
-  if an == bn then return norm(an, mag_add(am, bm)) end
-  local c = mag_cmp(am, bm)
-  if c == 0 then return 0 end
-  if c > 0 then return norm(an, mag_sub(am, bm)) end
-  return norm(bn, mag_sub(bm, am))
-end
-
-local function neg(a)
-  if type(a) == "number" then return -a end
-  local r = {}
-  for i = 1, #a do r[i] = a[i] end
-  r.neg = not a.neg
-  return r
-end
-
-local function sub(a, b)
-  if type(a) == "number" and type(b) == "number" then
-    local s = a - b
-    if s < LIMIT and s > -LIMIT then return s end
-  end
-  return add(a, neg(b))
-end
-
-local function mul(a, b)
-  if type(a) == "number" and type(b) == "number" then
-    local p = a * b
-    if p < LIMIT and p > -LIMIT then return p end
-  end
-  local an, am = split(a)
-  local bn, bm = split(b)
-  if #am == 0 or #bm == 0 then return 0 end
-  return norm(an ~= bn, mag_mul(am, bm))
-end
-
-local function cmp(a, b)
-  if type(a) == "number" and type(b) == "number" then
-    if a < b then return -1 elseif a > b then return 1 end
-    return 0
-  end
-  local d = sub(a, b)
-  if isbig(d) then return d.neg and -1 or 1 end
-  if d < 0 then return -1 elseif d > 0 then return 1 end
-  return 0
-end
-
--- Python's divmod by a plain positive d: a = q * d + r with 0 <= r < d.
-local function divmod(a, d)
-  if type(a) == "number" then
-    local r = fmod(a, d) -- exact, with the sign of a
-    local q = (a - r) / d -- an exact division of an exact difference
-    if r < 0 then r = r + d; q = q - 1 end
-    return q, r
-  end
-  local qm, r = mag_divmod(a, d)
-  if a.neg and r > 0 then return norm(true, mag_add(qm, { 1 })), d - r end
-  return norm(a.neg, qm), r
-end
-
-local function floordiv(a, d)
-  local q = divmod(a, d)
-  return q
-end
-
-local function ceildiv(a, d) return neg(floordiv(neg(a), d)) end
-
--- a * b >= c * d for non-negative a, b, c, d, without a bignum unless it is a near tie.
--- Rounding is monotonic, so rounded products that differ order the exact ones the same
--- way; only equal rounded products need the exact comparison.
-local function prod_ge(a, b, c, d)
-  if not (isbig(a) or isbig(b) or isbig(c) or isbig(d)) then
-    local x, y = a * b, c * d
-    if x ~= y then return x > y end
-    if x < LIMIT then return true end -- equal and exact
-  end
-  return cmp(mul(a, b), mul(c, d)) >= 0
-end
-
-local function parse(s)
-  -- tonumber rounds correctly and monotonically: a result below 2^53 is exact, and
-  -- 2^53 itself (the TTL cap, sent on every call) is when it prints back unchanged.
-  local n = tonumber(s)
-  if n and n < LIMIT and n > -LIMIT then return n end
-  if (n == LIMIT or n == -LIMIT) and string.format("%.0f", n) == s then return n end
-  local negative, digits = string.match(s, "^(%-?)(%d+)$")
-  if not digits then return error("django_tokenbucket: not an integer: " .. tostring(s)) end
-  local x = 0
-  local head = #digits % 7
-  if head > 0 then x = tonumber(string.sub(digits, 1, head)) end
-  for i = head + 1, #digits, 7 do
-    x = add(mul(x, 10000000), tonumber(string.sub(digits, i, i + 6)))
-  end
-  if negative == "-" then return neg(x) end
-  return x
-end
-
-local function tostr(x)
-  if not isbig(x) then
-    if x == 0 then return "0" end
-    return string.format("%.0f", x) -- exact for integers below 2^53
-  end
-  local m = {}
-  for i = 1, #x do m[i] = x[i] end
-  local parts = {}
-  while #m > 0 do
-    local r
-    m, r = mag_divmod(m, 10000000)
-    parts[#parts + 1] = r
-  end
-  local out = { x.neg and "-" or "", string.format("%d", parts[#parts]) }
-  for i = #parts - 1, 1, -1 do out[#out + 1] = string.format("%07d", parts[i]) end
-  return table.concat(out)
-end
+--[[ bignum.lua ]]
 
 -- The algorithms: see algorithms.py for the reasoning behind each step.
 
@@ -358,20 +315,8 @@ local function malformed(what, arg)
   return redis.error_reply("django_tokenbucket: malformed " .. what .. ": " .. tostring(arg))
 end
 
-local now_arg, apply_arg, min_ttl_arg, max_ttl_arg = string.match(ARGV[1] or "", "^(%S+) ([01]) (%S+) (%S+)$")
-if not now_arg then return malformed("header", ARGV[1]) end
-local now
-if now_arg ~= "-" then
-  now = parse(now_arg)
-else
-  local t = redis.call("TIME")
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local apply = apply_arg == "1"
-local min_ttl_ms = parse(min_ttl_arg)
-local max_ttl_ms = parse(max_ttl_arg)
-local n = #ARGV - 1
-
+local now = time_now or parse(ARGV[1])
+local n = #ARGV - 2
 local loaded = {}
 for k = 1, #KEYS do
   local raw = redis.call("GET", KEYS[k])
@@ -382,36 +327,36 @@ for k = 1, #KEYS do
   end
 end
 
-local REQUEST = "^(%d+) (%S+) ([tf]) (%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$"
 local requests = {}
+local function integer(x) return type(x) == "number" and fmod(x, 1) == 0 and x <= LIMIT and x >= -LIMIT end
 for i = 1, n do
-  local key, count, kind, rate, period, capacity, lowest, fresh_value, fresh_ts = string.match(ARGV[i + 1], REQUEST)
-  if not key then return malformed("request", ARGV[i + 1]) end
+  local ok, key, count, kind, rate, period, capacity, lowest, fresh_value, fresh_ts = pcall(cmsgpack.unpack, ARGV[i + 2])
+  if not (ok and integer(key) and key >= 1 and key <= #KEYS and integer(count) and (kind == "t" or kind == "f")
+      and integer(rate) and rate > 0 and integer(period) and period > 0 and integer(capacity)
+      and (lowest == nil or integer(lowest)) and integer(fresh_value) and integer(fresh_ts)) then
+    return malformed("request " .. i, ARGV[i + 2])
+  end
   -- One table per request, which is also the limit its algorithm reads (fewer tables
   -- to make and collect on every call).
   requests[i] = {
-    key = tonumber(key),
+    key = key,
     algorithm = kind == "f" and fixed_window or token_bucket,
-    rate = parse(rate),
-    period = parse(period),
-    capacity = parse(capacity),
+    rate = rate,
+    period = period,
+    capacity = capacity,
     -- A fresh fixed window starts on its phase, so its fresh ts is the phase of the windows.
-    phase = parse(fresh_ts),
-    fresh_value = parse(fresh_value),
-    lowest = lowest ~= "-" and parse(lowest) or nil,
-    count = parse(count),
+    phase = fresh_ts,
+    fresh_value = fresh_value,
+    lowest = lowest,
+    count = count,
   }
 end
-
--- algorithms.CLOCK_SKEW_TOLERANCE: a clock up to this far behind the stored time lags
--- another host's; it decides at the stored time, and its non-zero waits are longer by the lag.
-local CLOCK_SKEW_TOLERANCE = 5000000
 
 local function decide(request, state, count, lowest)
   local value, ts = request.fresh_value, request.phase
   if state then value, ts = state[1], state[2] end
   local lag = sub(ts, now)
-  if cmp(lag, 0) <= 0 or cmp(lag, CLOCK_SKEW_TOLERANCE) > 0 then
+  if cmp(lag, 0) <= 0 or cmp(lag, skew) > 0 then
     return request.algorithm(value, ts, now, count, lowest, request)
   end
   local d = request.algorithm(value, ts, ts, count, lowest, request)
@@ -468,7 +413,6 @@ end
 local reply = { tostr(now) }
 for i = 1, n do
   local d = decisions[i]
-  reply[i + 1] = (d[1] and "1 " or "0 ") .. tostr(d[2]) .. " " .. (d[3] ~= nil and tostr(d[3]) or "-") .. " "
-    .. tostr(d[4]) .. " " .. (d[5] ~= nil and tostr(d[5]) .. " " .. tostr(d[6]) or "- -")
+  reply[i + 1] = (d[1] and "1 " or "0 ") .. tostr(d[2]) .. " " .. (d[3] ~= nil and tostr(d[3]) or "-") .. " " .. tostr(d[4])
 end
 return table.concat(reply, " ")
