@@ -37,6 +37,7 @@ from django_tokenbucket.backends.postgresql import (
     _PRODUCT_BOUND,
     FUNCTION_NAME,
     FUNCTIONS_SQL,
+    READ_STATEMENT_MARK,
     SINGLE_STATEMENT_MARK,
     decide_in_server,
     decide_one,
@@ -162,7 +163,7 @@ def row_version(name: str) -> tuple[str, int, int]:
 
 
 def on_fast_path(sql: str) -> bool:
-    return FUNCTION_NAME in sql or SINGLE_STATEMENT_MARK in sql
+    return FUNCTION_NAME in sql or SINGLE_STATEMENT_MARK in sql or READ_STATEMENT_MARK in sql
 
 
 def decisions_sent(queries) -> list[str]:
@@ -178,9 +179,11 @@ def test_a_decision_is_one_statement(backend):
             [LimitRequest("ten_per_minute", "one"), LimitRequest("inline", "one", config={"rate": 1, "period": 1})]
         )
     sent = decisions_sent(queries)
-    assert [SINGLE_STATEMENT_MARK in sql for sql in sent] == [True, True, False]
+    # A check writes nothing whatever it finds: it reads the row, a plain SELECT.
+    assert [SINGLE_STATEMENT_MARK in sql for sql in sent] == [True, False, False]
+    assert READ_STATEMENT_MARK in sent[1]
     assert FUNCTION_NAME in sent[2]
-    assert len(queries) - len(sent) <= 1
+    assert len(queries) - len(sent) <= 2
 
 
 def test_denials_and_checks_write_no_row_version(backend):

@@ -40,7 +40,15 @@ from ..models import RateLimit
 from ..settings import tokenbucket_settings
 from .base import BackendError, BaseBackend, Outcome, Request, RowId, decide_all, row_id
 from .deadline import Watch, watching
-from .postgresql import FUNCTION_NAME, PREPARE_MODES, UNDEFINED_FUNCTION, decide_in_server, decide_one, is_postgresql
+from .postgresql import (
+    FUNCTION_NAME,
+    PREPARE_MODES,
+    UNDEFINED_FUNCTION,
+    RecentDenials,
+    decide_in_server,
+    decide_one,
+    is_postgresql,
+)
 
 __all__ = [
     "OPTION_DEFAULTS",
@@ -171,12 +179,7 @@ def lost_answer(exc: BaseException) -> bool:
     neither does 40003, "statement completion unknown" (CockroachDB's ambiguous result).
     """
     code = error_code(exc)
-    return (
-        code is None
-        or code.startswith("08")
-        or code == "40003"
-        or (code.isdigit() and 2000 <= int(code) < 3000)
-    )
+    return code is None or code.startswith("08") or code == "40003" or (code.isdigit() and 2000 <= int(code) < 3000)
 
 
 def error_code(exc: BaseException) -> str | None:
@@ -223,6 +226,8 @@ class DatabaseBackend(BaseBackend):
         #: Aliases whose database lacks the fast path's function (migration 0004 not
         #: applied): they take the portable path from then on.
         self._without_function: set[str] = set()
+        #: Picks how a single decision goes on the fast path (never what it decides).
+        self._recent_denials = RecentDenials()
         #: Internal errors by code that were retried, and that exhausted the retries:
         #: figures for tests and operations.
         self.retried: Counter[str] = Counter()
@@ -339,16 +344,25 @@ class DatabaseBackend(BaseBackend):
         connection = connections[alias]
         pinned_now = clock.override()
         if len(requests) == 1:
+            request = requests[0]
+            recent = self._recent_denials
             outcome = decide_one(
                 connection,
-                requests[0],
+                request,
                 apply=apply,
                 pinned_now=pinned_now,
                 async_commit=self.async_commit,
                 prepare=self.prepare,
+                read_first=apply and recent.likely(alias, request),
             )
-            if outcome is not None:
-                return outcome
+            if outcome is None:
+                with connection.cursor() as cursor:
+                    outcome = decide_in_server(
+                        cursor, requests, apply=apply, pinned_now=pinned_now, async_commit=self.async_commit
+                    )
+            if apply:
+                recent.learn(alias, request, outcome.decisions[0])
+            return outcome
         with connection.cursor() as cursor:
             return decide_in_server(
                 cursor, requests, apply=apply, pinned_now=pinned_now, async_commit=self.async_commit
