@@ -384,6 +384,9 @@ class DatabaseBackend(BaseBackend):
             return outcome
 
         try:
+            if self.timeout is None and not in_callers_transaction:
+                # No watchdog to set up: the common case, without the context manager.
+                return self._retrying(alias, attempt, atomic=atomic and write)
             with self._deadline(alias) as watch:
                 if not in_callers_transaction:
                     # A read is retried too: it writes nothing, and on SERIALIZABLE even

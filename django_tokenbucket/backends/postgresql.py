@@ -10,7 +10,7 @@ reads the row, decides with the database clock, and writes only when something c
   connection reaches PostgreSQL itself (not a pooler such as PgBouncer: the backend's
   ``PREPARE`` option) the call is a prepared statement.
 * One limit, one key that is likely denied (``RecentDenials``), or a check: a plain
-  read of the row and the clock in one statement, decided in Python by ``decide_all``.
+  read of the row and the clock in one statement, decided in Python (``LimitConfig.decide``).
   A denial or a check ends there, one indexed SELECT (a PL/pgSQL call costs about
   three times as much on the server: the function re-initialises its expressions in
   every transaction). An admission then writes with a compare-and-set.
@@ -34,7 +34,7 @@ from typing import Any
 from django.db import DatabaseError
 
 from ..algorithms import CLOCK_SKEW_TOLERANCE, Decision, State, lowest_value
-from .base import Outcome, Request, RowId, decide_all, row_id
+from .base import Outcome, Request, RowId, row_id
 
 __all__ = [
     "FUNCTIONS_SQL",
@@ -297,13 +297,14 @@ def _read_first(
     then None hands the decision to the general function, which decides under the lock.
     """
     config, digest = request.config, request.key.digest
-    row = _fetch(connection, _Read, {"pinned": pinned_now, "name": config.name, "key": digest}, prepare, 3)
-    now, value, ts = row[0], row[1], row[2]
-    rid = (config.name, digest)
+    now, value, ts, _ = _fetch(
+        connection, _Read, {"pinned": pinned_now, "name": config.name, "key": digest}, prepare, 3
+    )
     state = None if value is None else State(value, ts)
-    decisions, writes = decide_all((request,), {rid: state}, now)
-    new = writes.get(rid) if apply else None
-    if new is not None:
+    # decide_all for one request, without its dicts: what changed is what to write.
+    decision = config.decide(state, now, request.count, digest, request.reserve)
+    new = decision.state if apply else None
+    if new is not None and new != state:
         with connection.cursor() as cursor:
             if state is None:
                 cursor.execute(
@@ -317,7 +318,7 @@ def _read_first(
                 )
             if cursor.rowcount != 1:
                 return None
-    return Outcome(decisions, now)
+    return Outcome([decision], now)
 
 
 class RecentDenials:
