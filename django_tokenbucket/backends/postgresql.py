@@ -341,6 +341,11 @@ class RecentDenials:
         self._until: dict[tuple[str, str, str], float] = {}
         self._lock = threading.Lock()
 
+    def forget(self, alias: str, name: str, digest: str) -> None:
+        """Forget one key: its next decision calls the function."""
+        with self._lock:
+            self._until.pop((alias, name, digest), None)
+
     def likely(self, alias: str, request: Request) -> bool:
         """Whether ``request`` is likely denied, as far as this process has seen."""
         until = self._until.get((alias, request.config.name, request.key.digest))
@@ -365,7 +370,7 @@ class RecentDenials:
             return
         with self._lock:
             self._until.pop(key, None)
-            while len(self._until) >= self.size:
+            while self._until and len(self._until) >= self.size:
                 del self._until[next(iter(self._until))]
             self._until[key] = time.monotonic() + min(wait, _LONGEST_MEMORY) / 1e6
 
