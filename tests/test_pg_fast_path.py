@@ -407,10 +407,12 @@ def test_the_read_first_statement_planned_on_an_empty_table_still_finds_rows_by_
         assert index_entries_read() - before < 50
 
 
-@pytest.mark.parametrize("options, most", [({}, None), ({"ASYNC_COMMIT": True}, 5)], ids=["durable", "async"])
+@pytest.mark.parametrize("options, most", [({}, None), ({"ASYNC_COMMIT": True}, 25)], ids=["durable", "async"])
 def test_async_commit_skips_the_wal_flush(options, most):
-    """Each durable commit waits for its own flush; ASYNC_COMMIT leaves them to the WAL writer."""
-    decisions = 40
+    """Each durable commit waits for its own flush; ASYNC_COMMIT leaves them to the WAL
+    writer. (The server is shared with other clients, whose flushes count too: hence
+    the margin.)"""
+    decisions = 100
     with backend_with(**options):
         before = wal_flushes()
         for number in range(decisions):
