@@ -594,7 +594,9 @@ class RateLimitAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             with transaction.atomic(using=alias):
                 # Under the row lock, at the store's time: what live traffic wrote a
                 # moment ago is the state being adjusted, not a stale copy of it.
-                locked = RateLimit.objects.using(alias).select_for_update().filter(pk=obj.pk).values_list("value", "ts")
+                locked = (
+                    RateLimit.objects.using(alias).select_for_update().filter(pk=obj.pk).values_list("value", "ts")
+                )
                 current = next(iter(locked), None)
                 if current is None:
                     skipped += 1
@@ -710,8 +712,7 @@ class RateLimitAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 "rate": describe_rate(known.config) if known else None,
                 "capacity": format_tokens(known.config.capacity) if known else None,
                 "max_reserved": (
-                    None
-                    if known is None or known.config.max_reserved is None
+                    None if known is None or known.config.max_reserved is None
                     else format_tokens(known.config.max_reserved)
                 ),
                 "stored": stored,
@@ -725,3 +726,4 @@ class RateLimitAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 "media": self.media,
             },
         )
+

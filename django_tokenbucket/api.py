@@ -135,7 +135,8 @@ class Limiter:
         except (KeyError, TypeError):
             known = ", ".join(sorted(map(repr, limits))) or "none"
             raise ImproperlyConfigured(
-                f"unknown rate limit {name!r}: define it in TOKENBUCKET['LIMITS'] (defined: {known}) or pass config=..."
+                f"unknown rate limit {name!r}: define it in TOKENBUCKET['LIMITS'] "
+                f"(defined: {known}) or pass config=..."
             ) from None
 
     # -- deciding ------------------------------------------------------------------------
@@ -199,7 +200,9 @@ class Limiter:
         """``check()`` for async code."""
         return await self._adrive(self._one(name, key, count, reserve, config, apply=False, throws=throws))
 
-    def limit_many(self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False) -> MultiStatus:
+    def limit_many(
+        self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
+    ) -> MultiStatus:
         """Take tokens from several limits all-or-nothing: one denial consumes none.
 
         ``requests`` are LimitRequest objects or ``(name, key[, count])`` tuples.
@@ -212,7 +215,9 @@ class Limiter:
         """``limit_many()`` for async code."""
         return await self._adrive(self._many([self._as_request(r) for r in requests], apply=True, throws=throws))
 
-    def check_many(self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False) -> MultiStatus:
+    def check_many(
+        self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
+    ) -> MultiStatus:
         """Return what ``limit_many()`` would, changing nothing."""
         return self._drive(self._many([self._as_request(r) for r in requests], apply=False, throws=throws))
 
@@ -246,7 +251,9 @@ class Limiter:
         """``reset()`` for async code."""
         await self._adrive(self._reset(name, key, config))
 
-    def refund(self, name: str, key: object = None, count: int | float = 1, config: ConfigSpec | None = None) -> Status:
+    def refund(
+        self, name: str, key: object = None, count: int | float = 1, config: ConfigSpec | None = None
+    ) -> Status:
         """Give ``count`` unused tokens back to limit ``name`` for ``key``, up to its capacity.
 
         For work that reserved more than it used (an LLM call that reserved 4,000 tokens

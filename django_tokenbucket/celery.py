@@ -34,7 +34,9 @@ try:
     from kombu.utils.json import dumps as kombu_dumps
     from kombu.utils.json import loads as kombu_loads
 except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError(f"django_tokenbucket.celery needs Celery: pip install 'dj-tokenbucket[celery]' ({exc})") from exc
+    raise ImportError(
+        f"django_tokenbucket.celery needs Celery: pip install 'dj-tokenbucket[celery]' ({exc})"
+    ) from exc
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction

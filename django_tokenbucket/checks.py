@@ -90,6 +90,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                     )
                 )
 
+
     if not isinstance(user.get("FAIL_OPEN", False), bool):
         errors.append(
             checks.Error(

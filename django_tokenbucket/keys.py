@@ -71,7 +71,9 @@ SECRET_KINDS = ("header:", "get:", "post:", "username")
 
 def is_request_data_key(key: object) -> bool:
     """Whether ``key`` holds a value a request sent (a header, a query or form field)."""
-    return isinstance(key, tuple) and len(key) > 1 and isinstance(key[0], str) and key[0].startswith(SECRET_KINDS)
+    return (
+        isinstance(key, tuple) and len(key) > 1 and isinstance(key[0], str) and key[0].startswith(SECRET_KINDS)
+    )
 
 
 def _label(key: object) -> str:

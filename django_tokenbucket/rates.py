@@ -33,7 +33,9 @@ UNIT_SECONDS = {
 UNIT_SPELLINGS = "s, m, h, d, or sec, min, hr, second, minute, hour, day (and their plurals)"
 
 _RATE_RE = re.compile(
-    r"(?P<count>[0-9]+)/(?P<multiplier>[0-9]+)?(?P<unit>" + "|".join(sorted(UNIT_SECONDS, key=len, reverse=True)) + ")",
+    r"(?P<count>[0-9]+)/(?P<multiplier>[0-9]+)?(?P<unit>"
+    + "|".join(sorted(UNIT_SECONDS, key=len, reverse=True))
+    + ")",
     re.ASCII,
 )
 

@@ -119,6 +119,7 @@ def refill_time(limit: LimitConfig, amount: int) -> int:
     return limit.algorithm.refill_time(amount, limit.rate, limit.period)
 
 
+
 def store_now(alias: str) -> int:
     """Return the time (µs since the epoch) the database backend would decide with on ``alias``.
 

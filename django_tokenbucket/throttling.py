@@ -257,7 +257,9 @@ class SimpleRateThrottle(BaseThrottle):
 
     # -- how a request becomes limits ---------------------------------------------------
 
-    def limit_requests(self, request: DRFRequest, view: Any, scopes: Sequence[str] | None = None) -> list[LimitRequest]:
+    def limit_requests(
+        self, request: DRFRequest, view: Any, scopes: Sequence[str] | None = None
+    ) -> list[LimitRequest]:
         """Return the limits this throttle takes from for ``request`` (empty: not throttled).
 
         ``scopes`` are ``get_scopes()``'s answer when the caller has it already.

@@ -39,9 +39,7 @@ def sized(pr: Any, nightly: Any) -> Any:
     return nightly if NIGHTLY else pr
 
 
-def run_processes(
-    target: Callable[..., dict[str, Any]], processes: int, *args: Any, timeout: float = 120
-) -> list[dict[str, Any]]:
+def run_processes(target: Callable[..., dict[str, Any]], processes: int, *args: Any, timeout: float = 120) -> list[dict[str, Any]]:
     """Run ``target(barrier, index, *args)`` in ``processes`` forked processes; return their results."""
     connections.close_all()
     context = multiprocessing.get_context("fork")
@@ -153,15 +151,8 @@ def summarise(results: list[dict[str, Any]], **run: Any) -> dict[str, Any]:
         "error_samples": sorted({e for r in results for e in r["errors"]})[:3],
         "errors_by_sqlstate": errors_by_code,
         "retry_giveups": sum(r["gave_up"] for r in results),
-        "retries_per_decision": {
-            "p50": pct(retries, 0.5),
-            "p99": pct(retries, 0.99),
-            "max": retries[-1] if retries else 0,
-        },
-        "decision_latency_ms": {
-            "p50": round(pct(latencies, 0.5) * 1000, 2),
-            "p99": round(pct(latencies, 0.99) * 1000, 2),
-        },
+        "retries_per_decision": {"p50": pct(retries, 0.5), "p99": pct(retries, 0.99), "max": retries[-1] if retries else 0},
+        "decision_latency_ms": {"p50": round(pct(latencies, 0.5) * 1000, 2), "p99": round(pct(latencies, 0.99) * 1000, 2)},
         "store_clock_span_s": round(span, 6),
         "decisions_per_s": round(len(latencies) / span, 1) if span else None,
         "mean_latency_ms": round(statistics.fmean(latencies) * 1000, 2) if latencies else None,

@@ -60,14 +60,8 @@ TOKEN_BUCKET_CASES = [
     # -- refill capped at capacity -------------------------------------------------------
     ("capped", State(4 * M, T), T + 10**9, M, {}, Decision(True, 9 * M, None, TOKEN, State(9 * M, T + 10**9))),
     # -- count=0 reads without consuming -------------------------------------------------
-    (
-        "peek-partial",
-        State(4 * M, T),
-        T + 3 * M,
-        0,
-        {},
-        Decision(True, 4_500_000, None, 33 * M, State(4_500_000, T + 3 * M)),
-    ),
+    ("peek-partial", State(4 * M, T), T + 3 * M, 0, {},
+        Decision(True, 4_500_000, None, 33 * M, State(4_500_000, T + 3 * M))),
     # -- the refill phase is kept --------------------------------------------------------
     # 9 us earn 1.5 micro-tokens: 1 is credited, and the value is dated back to T+6 (the
     # moment the whole micro-token was complete) so the half is not lost.
@@ -125,14 +119,8 @@ TOKEN_BUCKET_CASES = [
     ),
     # in debt, without reserve: wait for the debt and the count
     ("debt-no-reserve-denied", State(-2 * M, T), T, 1, {}, Decision(False, -2 * M, 2 * TOKEN + 6, 12 * TOKEN, None)),
-    (
-        "debt-paid-back",
-        State(-2 * M, T),
-        T + 2 * TOKEN,
-        0,
-        {},
-        Decision(True, 0, None, 60 * M, State(0, T + 2 * TOKEN)),
-    ),
+    ("debt-paid-back", State(-2 * M, T), T + 2 * TOKEN, 0, {},
+        Decision(True, 0, None, 60 * M, State(0, T + 2 * TOKEN))),
     (
         "debt-partly-paid-peek",
         State(-2 * M, T),
@@ -160,14 +148,8 @@ TOKEN_BUCKET_CASES = [
         {"capacity": 4 * M, "reserve": True, "max_reserved": 5 * M},
         Decision(True, -2 * M, 2 * TOKEN, 6 * TOKEN, State(-2 * M, T)),
     ),
-    (
-        "b11-below-unaffected",
-        State(3 * M, T),
-        T,
-        0,
-        {"capacity": 4 * M},
-        Decision(True, 3 * M, None, TOKEN, State(3 * M, T)),
-    ),
+    ("b11-below-unaffected", State(3 * M, T), T, 0, {"capacity": 4 * M},
+        Decision(True, 3 * M, None, TOKEN, State(3 * M, T))),
     # -- reconfigured rate applies to the time since the stored state ----------------------
     (
         "rate-doubled",
@@ -392,53 +374,33 @@ FIXED_WINDOW_CASES = [
     # 25 s back (past the 5 s tolerance: a jump) lands 5 s into the window starting 30 s
     # before W: the wait is 5 s, and the rebased state (on the same window phase) is stored.
     ("clock-back-denied", State(0, W), W - 25 * M, M, {}, Decision(False, 0, 5 * M, 15 * M, State(0, W - 30 * M))),
-    (
-        "clock-back-boundary",
-        State(3 * M, W),
-        W - 10 * M,
-        M,
-        {},
-        Decision(True, 2 * M, None, 20 * M, State(2 * M, W - 10 * M)),
-    ),
+    ("clock-back-boundary", State(3 * M, W), W - 10 * M, M, {},
+        Decision(True, 2 * M, None, 20 * M, State(2 * M, W - 10 * M))),
     # Within the tolerance, a lagging clock decides in the stored window: its state never
     # moves to the window before (the next window would credit it again), and its waits
     # are longer by the lag.
-    ("clock-lags-allowed", State(3 * M, W), W - 1, M, {}, Decision(True, 2 * M, None, 20 * M + 1, State(2 * M, W))),
+    ("clock-lags-allowed", State(3 * M, W), W - 1, M, {},
+        Decision(True, 2 * M, None, 20 * M + 1, State(2 * M, W))),
     ("clock-lags-denied", State(0, W), W - 2 * M, M, {}, Decision(False, 0, 12 * M, 22 * M, None)),
-    ("clock-lags-b11", State(8 * M, W), W - 1, 0, {"capacity": 3 * M}, Decision(True, 3 * M, None, 0, State(3 * M, W))),
+    ("clock-lags-b11", State(8 * M, W), W - 1, 0, {"capacity": 3 * M},
+        Decision(True, 3 * M, None, 0, State(3 * M, W))),
     # -- a state stored under another start or period moves onto the configured windows ---
     # start moved from 3 s to 7 s: the window starting at W + 4 s credits 5 tokens and
     # becomes the stored one; before it, the stored window is still the current one.
-    (
-        "moved-start-before-boundary",
-        State(0, W),
-        W + 4 * M - 1,
-        1,
-        {"offset": 7 * M},
-        Decision(False, 0, 1, 10 * M + 1, None),
-    ),
-    (
-        "moved-start-at-boundary",
-        State(0, W),
-        W + 4 * M,
-        5 * M,
-        {"offset": 7 * M},
-        Decision(True, 0, None, 20 * M, State(0, W + 4 * M)),
-    ),
+    ("moved-start-before-boundary", State(0, W), W + 4 * M - 1, 1, {"offset": 7 * M},
+        Decision(False, 0, 1, 10 * M + 1, None)),
+    ("moved-start-at-boundary", State(0, W), W + 4 * M, 5 * M, {"offset": 7 * M},
+        Decision(True, 0, None, 20 * M, State(0, W + 4 * M))),
     # start moved back from 3 s to 1 s: the stored window (from W) began after the
     # configured one holding now (from W - 2 s); the next start, W + 8 s, credits.
-    ("moved-start-earlier", State(0, W), W + 5 * M, M, {"offset": M}, Decision(False, 0, 3 * M, 13 * M, None)),
-    (
-        "moved-start-earlier-next",
-        State(0, W),
-        W + 8 * M,
-        M,
-        {"offset": M},
-        Decision(True, 4 * M, None, 10 * M, State(4 * M, W + 8 * M)),
-    ),
+    ("moved-start-earlier", State(0, W), W + 5 * M, M, {"offset": M},
+        Decision(False, 0, 3 * M, 13 * M, None)),
+    ("moved-start-earlier-next", State(0, W), W + 8 * M, M, {"offset": M},
+        Decision(True, 4 * M, None, 10 * M, State(4 * M, W + 8 * M))),
     # period 10 s -> 60 s, windows now 3 s past each minute (W is 23 s past one): nothing
     # is credited until the next of those, W + 40 s, rather than every 10 s from W.
-    ("longer-period", State(0, W), W + 15 * M, 1, {"period": 60 * M}, Decision(False, 0, 25 * M, 85 * M, None)),
+    ("longer-period", State(0, W), W + 15 * M, 1, {"period": 60 * M},
+        Decision(False, 0, 25 * M, 85 * M, None)),
 ]
 
 

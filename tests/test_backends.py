@@ -159,8 +159,6 @@ def test_check_reports_a_view_whose_throttles_span_two_backends():
 def test_a_runtime_error_names_the_alias_setting_to_fix():
     backends = {**TWO_STORES["BACKENDS"], "fast": {"BACKEND": REDIS, "OPTIONS": {"CACHE": "ratelimt"}}}
     with override_settings(TOKENBUCKET={**TWO_STORES, "BACKENDS": backends}):
-        with pytest.raises(
-            ImproperlyConfigured, match=re.escape("TOKENBUCKET['BACKENDS']['fast']['OPTIONS']['CACHE'] = 'ratelimt'")
-        ):
+        with pytest.raises(ImproperlyConfigured, match=re.escape("TOKENBUCKET['BACKENDS']['fast']['OPTIONS']['CACHE'] = 'ratelimt'")):
             limiter.limit("api", "hank")
         assert limiter.limit("orders", "hank").ok  # the other store is unaffected

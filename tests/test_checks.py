@@ -265,12 +265,7 @@ def test_an_ip_header_that_is_never_honoured_is_reported(trusted, warned):
 
 @pytest.mark.parametrize(
     "setting, value, check_id",
-    [
-        ("FOLD_KEY_CASE", "yes", "E016"),
-        ("COUNT_OPTIONS", 1, "E016"),
-        ("KEY_SECRET", "short", "E017"),
-        ("KEY_SECRET", 42, "E017"),
-    ],
+    [("FOLD_KEY_CASE", "yes", "E016"), ("COUNT_OPTIONS", 1, "E016"), ("KEY_SECRET", "short", "E017"), ("KEY_SECRET", 42, "E017")],
     ids=repr,
 )
 def test_key_and_method_settings_are_checked(setting, value, check_id):
@@ -442,13 +437,9 @@ def test_every_backend_alias_is_checked_and_named():
     }
     with override_settings(TOKENBUCKET={"BACKENDS": backends, "LIMITS": {"a": {"rate": "1/s", "backend": "fats"}}}):
         messages = {m.id: m.msg for m in our_messages()}
-    assert messages["django_tokenbucket.E020"].startswith(
-        "TOKENBUCKET['BACKENDS']['fast']['OPTIONS']['CACHE'] = 'nope'"
-    )
+    assert messages["django_tokenbucket.E020"].startswith("TOKENBUCKET['BACKENDS']['fast']['OPTIONS']['CACHE'] = 'nope'")
     assert messages["django_tokenbucket.E009"].startswith("TOKENBUCKET['BACKENDS']['billing']['OPTIONS']['DATABASE']")
-    assert messages["django_tokenbucket.E005"].startswith(
-        "TOKENBUCKET['BACKENDS']['broken']['BACKEND'] = 'no.such.Backend'"
-    )
+    assert messages["django_tokenbucket.E005"].startswith("TOKENBUCKET['BACKENDS']['broken']['BACKEND'] = 'no.such.Backend'")
     assert "Rate limit 'a' is stored on backend 'fats'" in messages["django_tokenbucket.E019"]
 
 

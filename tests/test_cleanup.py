@@ -290,7 +290,9 @@ def test_deleting_what_cleanup_selects_changes_no_future_decision(data):
     # through the pure algorithm from the state as it was before cleanup.
     events = data.draw(
         st.lists(
-            st.tuples(st.integers(0, 2 * limit.period), st.integers(1, limit.capacity // 10_000), st.booleans()),
+            st.tuples(
+                st.integers(0, 2 * limit.period), st.integers(1, limit.capacity // 10_000), st.booleans()
+            ),
             min_size=1,
             max_size=6,
         ),

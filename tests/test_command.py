@@ -248,18 +248,7 @@ def test_cleanup_as_json():
 
 def test_djangos_options_work_after_the_subcommand():
     """Issue 21: `tokenbucket list --settings X` failed ("unrecognized arguments")."""
-    command = [
-        sys.executable,
-        "-m",
-        "django",
-        "tokenbucket",
-        "list",
-        "--no-counts",
-        "--settings",
-        "tests.settings",
-        "-v",
-        "0",
-    ]
+    command = [sys.executable, "-m", "django", "tokenbucket", "list", "--no-counts", "--settings", "tests.settings", "-v", "0"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
     assert result.returncode == 0, result.stderr
     assert "login" in result.stdout

@@ -389,9 +389,7 @@ def test_h7_fixed_window_admits_its_limit_in_every_window(request, backend):
     admitted = Counter(window_of(t) for r in results for t in r["admitted_at"])
     whole = seen[1:-1]  # the first and last windows were only partly inside the run
     admitted_us = [round(t * MICRO) for r in results for t in r["admitted_at"]]
-    figures = summarise(
-        results, case="H7", backend=settings.DB if backend == "database" else "redis", L=limit, P=period
-    )
+    figures = summarise(results, case="H7", backend=settings.DB if backend == "database" else "redis", L=limit, P=period)
     figures.update(
         admitted_per_window={str(w): admitted[w] for w in seen},
         whole_windows=len(whole),

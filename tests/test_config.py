@@ -51,7 +51,9 @@ def assert_improper(spec: object, bad: object, name: str = NAME) -> str:
 
 def test_rate_string_shorthand():
     limit = parse_limit("login", "5/m")
-    assert limit == LimitConfig(name="login", kind=TOKEN_BUCKET, rate=5 * MICRO, period=60 * MICRO, capacity=5 * MICRO)
+    assert limit == LimitConfig(
+        name="login", kind=TOKEN_BUCKET, rate=5 * MICRO, period=60 * MICRO, capacity=5 * MICRO
+    )
     assert parse_limit("login", {"rate": "5/m"}) == limit
     assert parse_limit("login", {"kind": "token bucket", "rate": "5/m"}) == limit
 
@@ -63,13 +65,17 @@ def test_numeric_rate_with_period_and_capacity():
     assert limit.rate_tokens == 10 and limit.period_seconds == 60 and limit.capacity_tokens == 20
 
 
-@pytest.mark.parametrize("period", [60, 60.0, Decimal("60"), Fraction(60), timedelta(minutes=1), timedelta(seconds=60)])
+@pytest.mark.parametrize(
+    "period", [60, 60.0, Decimal("60"), Fraction(60), timedelta(minutes=1), timedelta(seconds=60)]
+)
 def test_period_forms(period):
     assert parse_limit(NAME, {"rate": 10, "period": period}).period == 60 * MICRO
 
 
 def test_fractional_amounts_up_to_six_decimals():
-    limit = parse_limit(NAME, {"rate": 0.1, "period": 0.000001, "capacity": Decimal("2.000001"), "max_reserved": 0.5})
+    limit = parse_limit(
+        NAME, {"rate": 0.1, "period": 0.000001, "capacity": Decimal("2.000001"), "max_reserved": 0.5}
+    )
     assert limit.rate == 100_000
     assert limit.period == 1
     assert limit.capacity == 2_000_001
@@ -244,7 +250,9 @@ def test_start_on_a_token_bucket():
     assert_improper({"kind": "token_bucket", "rate": 5, "period": 60, "start": timedelta(0)}, "start")
 
 
-@pytest.mark.parametrize("start", [float("nan"), float("inf"), True, "0", 0.0000001, Decimal("NaN"), [0]], ids=repr)
+@pytest.mark.parametrize(
+    "start", [float("nan"), float("inf"), True, "0", 0.0000001, Decimal("NaN"), [0]], ids=repr
+)
 def test_bad_start(start):
     assert_improper({"kind": "fixed window", "rate": 5, "period": 60, "start": start}, start)
 
@@ -308,14 +316,7 @@ def test_validate_count_rejects(count, reserve):
 
 @pytest.mark.parametrize(
     "count, micro",
-    [
-        (1, MICRO),
-        (0.5, 500_000),
-        (Decimal("0.000001"), 1),
-        (Fraction(5, 2), 2_500_000),
-        (5, 5 * MICRO),
-        (5.0, 5 * MICRO),
-    ],
+    [(1, MICRO), (0.5, 500_000), (Decimal("0.000001"), 1), (Fraction(5, 2), 2_500_000), (5, 5 * MICRO), (5.0, 5 * MICRO)],
 )
 def test_validate_count_accepts(count, micro):
     assert LOGIN.validate_count(count, False) == micro

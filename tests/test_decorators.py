@@ -279,10 +279,7 @@ def test_stacked_inline_limits_never_share_a_bucket():
 
     # One GET and one POST each get their own bucket (django-ratelimit's test_stacked_methods).
     assert [by_method(r).content for r in (rf.get("/"), rf.post("/"), rf.get("/"), rf.post("/"))] == [
-        b"False",
-        b"False",
-        b"True",
-        b"True",
+        b"False", b"False", b"True", b"True"
     ]
 
     @ratelimit(key="ip", rate="100/m", block=False)

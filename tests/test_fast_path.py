@@ -104,9 +104,7 @@ def test_another_cache_alias_is_followed(redis_store):
         caches = {**settings.CACHES, "other": {**settings.CACHES["redis"], "LOCATION": server.url}}
         with override_settings(TOKENBUCKET={**BASE_SETTINGS, **redis_store}):
             assert limiter.limit("login", "alias", count=3).value == 2
-            with override_settings(
-                CACHES=caches, TOKENBUCKET={**BASE_SETTINGS, **redis_store, "OPTIONS": {"CACHE": "other"}}
-            ):
+            with override_settings(CACHES=caches, TOKENBUCKET={**BASE_SETTINGS, **redis_store, "OPTIONS": {"CACHE": "other"}}):
                 assert limiter.limit("login", "alias").value == 4
             assert limiter.limit("login", "alias").value == 1
 

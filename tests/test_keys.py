@@ -280,11 +280,7 @@ def test_distinct_buckets_end_to_end():
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize(
-    "key",
-    [LONG_KEYS["1 MB str"], LONG_KEYS["1 MB bytes"], LONG_KEYS["1 MB tuple"], LONG_KEYS["10 KB"]],
-    ids=["1 MB str", "1 MB bytes", "1 MB tuple", "10 KB"],
-)
+@pytest.mark.parametrize("key", [LONG_KEYS["1 MB str"], LONG_KEYS["1 MB bytes"], LONG_KEYS["1 MB tuple"], LONG_KEYS["10 KB"]], ids=["1 MB str", "1 MB bytes", "1 MB tuple", "10 KB"])
 def test_huge_key_end_to_end(key):
     from django_tokenbucket.models import RateLimit
 

@@ -444,7 +444,9 @@ def test_2_token_bucket_drift_from_exact_model(data: st.DataObject, reserve: boo
 # ---------------------------------------------------------------------------------------
 
 
-def reference_token_bucket(limit: Limit, state: State | None, now: int, count: int, reserve: bool) -> Decision:
+def reference_token_bucket(
+    limit: Limit, state: State | None, now: int, count: int, reserve: bool
+) -> Decision:
     """The documented token bucket, in Fractions.
 
     The amount is exact. A write keeps the whole micro-tokens as ``value`` and the
@@ -672,7 +674,9 @@ class FixedWindowMachine(RuleBasedStateMachine):
 
 
 TestTokenBucketMachine = TokenBucketMachine.TestCase
-TestTokenBucketMachine.settings = settings(SETTINGS, max_examples=100, stateful_step_count=40)
+TestTokenBucketMachine.settings = settings(
+    SETTINGS, max_examples=100, stateful_step_count=40
+)
 TestFixedWindowMachine = FixedWindowMachine.TestCase
 TestFixedWindowMachine.settings = settings(SETTINGS, max_examples=100, stateful_step_count=40)
 
@@ -824,13 +828,8 @@ def skewed_hosts(data: st.DataObject, dts: st.SearchStrategy[int], limit: Limit)
     return offsets, calls
 
 
-def run_skewed_hosts(
-    decide: Callable[[State | None, int, int], Decision],
-    offsets: list[int],
-    calls: list[tuple],
-    t: int,
-    bound: Callable[[int], float],
-) -> None:
+def run_skewed_hosts(decide: Callable[[State | None, int, int], Decision], offsets: list[int], calls: list[tuple],
+                     t: int, bound: Callable[[int], float]) -> None:
     """Play ``calls``; after each, what was admitted stays within ``bound(real time)``."""
     state: State | None = None
     admitted = 0
@@ -856,7 +855,9 @@ def test_5_token_bucket_skewed_hosts_mint_nothing(data: st.DataObject) -> None:
     offsets, calls = skewed_hosts(data, tb_dts(limit), limit)
     start = data.draw(times, "t0")
     spread = max(offsets) - min(offsets)
-    run_skewed_hosts(limit.tb, offsets, calls, start, lambda t: limit.capacity + limit.refill(t - start + spread))
+    run_skewed_hosts(
+        limit.tb, offsets, calls, start, lambda t: limit.capacity + limit.refill(t - start + spread)
+    )
 
 
 @SETTINGS

@@ -115,15 +115,7 @@ def test_parse_rate_rejects_non_strings(rate):
 
 def test_unit_table_is_consistent():
     # Every spelled-out unit means the same as its one-letter form.
-    for word, letter in [
-        ("second", "s"),
-        ("minute", "m"),
-        ("hour", "h"),
-        ("day", "d"),
-        ("sec", "s"),
-        ("min", "m"),
-        ("hr", "h"),
-    ]:
+    for word, letter in [("second", "s"), ("minute", "m"), ("hour", "h"), ("day", "d"), ("sec", "s"), ("min", "m"), ("hr", "h")]:
         assert UNIT_SECONDS[word] == UNIT_SECONDS[word + "s"] == UNIT_SECONDS[letter]
 
 

@@ -55,18 +55,8 @@ def login_value(key):
 # -- 1. one account, one bucket, however its name is spelled ---------------------------
 
 SPELLINGS = [
-    "victim",
-    " victim",
-    "victim ",
-    "  victim",
-    "VICTIM",
-    "Victim",
-    "ｖｉｃｔｉｍ",
-    "𝐯𝐢𝐜𝐭𝐢𝐦",
-    "\tvictim\n",
-    "ＶＩＣＴＩＭ",
-    "victim\u00a0",
-    "VicTim",
+    "victim", " victim", "victim ", "  victim", "VICTIM", "Victim", "ｖｉｃｔｉｍ", "𝐯𝐢𝐜𝐭𝐢𝐦",
+    "\tvictim\n", "ＶＩＣＴＩＭ", "victim\u00a0", "VicTim",
 ]
 
 
@@ -106,9 +96,7 @@ def test_1_case_folding_can_be_turned_off(backend):
     def api(request):
         return HttpResponse("ok")
 
-    with override_settings(
-        TOKENBUCKET={**BASE_SETTINGS, **BACKENDS["database"], "LIMITS": LIMITS, "FOLD_KEY_CASE": False}
-    ):
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, **BACKENDS["database"], "LIMITS": LIMITS, "FOLD_KEY_CASE": False}):
         api(rf.get("/", HTTP_X_API_KEY=" Key-A "))
         assert limiter.get_value("login", ("header:X-Api-Key", "Key-A")) == 4  # stripped, case kept
 
@@ -251,8 +239,6 @@ def test_7_options_is_not_counted_by_the_decorator_or_the_throttles(backend):
     preflights = [Anonymous.as_view()(APIRequestFactory().options("/")).status_code for _ in range(5)]
     assert preflights == [200] * 5
     assert [Anonymous.as_view()(APIRequestFactory().get("/")).status_code for _ in range(4)] == [200] * 3 + [429]
-    with override_settings(
-        TOKENBUCKET={**BASE_SETTINGS, **BACKENDS["database"], "LIMITS": LIMITS, "COUNT_OPTIONS": True}
-    ):
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, **BACKENDS["database"], "LIMITS": LIMITS, "COUNT_OPTIONS": True}):
         if backend == "database":
             assert [view(rf.options("/")).status_code for _ in range(4)] == [200] * 3 + [429]  # counted again

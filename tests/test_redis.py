@@ -335,10 +335,7 @@ def test_nothing_listening_is_a_backend_failure():
         (lambda: redis.Redis(connection_pool=redis.ConnectionPool(host="127.0.0.1", port=1)), False),
         (lambda: redis.Redis(connection_pool=redis.ConnectionPool(port=1, retry=Retry(NoBackoff(), 0))), False),
         (lambda: redis.Redis(connection_pool=redis.ConnectionPool(port=1, retry=Retry(NoBackoff(), 2))), True),
-        (
-            lambda: redis.Redis(connection_pool=redis.ConnectionPool(port=1, retry_on_error=[RedisConnectionError])),
-            True,
-        ),
+        (lambda: redis.Redis(connection_pool=redis.ConnectionPool(port=1, retry_on_error=[RedisConnectionError])), True),
         # redis-py's own default, when a client is made directly: 3 retries.
         (lambda: redis.Redis(host="127.0.0.1", port=1), True),
     ],
@@ -377,9 +374,7 @@ def test_a_slow_server_times_out_into_the_fail_mode(ignore_exceptions):
         server.resume()
         assert limiter.limit("login", "slow").ok and not limiter.limit("login", "slow").failed_open
     latencies.sort()
-    print(
-        f"\nF4 slow Redis: socket_timeout=50 ms, decision p50={latencies[10] * 1000:.1f} ms, max={latencies[-1] * 1000:.1f} ms"
-    )
+    print(f"\nF4 slow Redis: socket_timeout=50 ms, decision p50={latencies[10] * 1000:.1f} ms, max={latencies[-1] * 1000:.1f} ms")
     # The paused server never answers, so each call returned only because its socket timed
     # out (the TimeoutError count above). The bound is loose on purpose: it tells a bounded
     # wait from a hung one and stays clear of scheduling noise on a busy CI machine.
@@ -549,13 +544,7 @@ def test_the_script_is_package_data():
 
 def test_a_missing_cache_alias_names_the_setting_to_fix():
     """Issue 21: a typo in the alias surfaced as Django's bare InvalidCacheBackendError."""
-    typo = {
-        **BASE_SETTINGS,
-        "BACKEND": "django_tokenbucket.backends.redis.RedisBackend",
-        "OPTIONS": {"CACHE": "ratelimt"},
-    }
+    typo = {**BASE_SETTINGS, "BACKEND": "django_tokenbucket.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "ratelimt"}}
     with override_settings(TOKENBUCKET=typo):
-        with pytest.raises(
-            ImproperlyConfigured, match=r"TOKENBUCKET\['OPTIONS'\]\['CACHE'\] = 'ratelimt' is not an alias"
-        ):
+        with pytest.raises(ImproperlyConfigured, match=r"TOKENBUCKET\['OPTIONS'\]\['CACHE'\] = 'ratelimt' is not an alias"):
             limiter.limit("login", "k")

@@ -84,11 +84,7 @@ async def test_the_client_has_the_caches_settings_and_writes_to_the_first_locati
             client = await backend.asyncio_clients.client(_generation())
             assert isinstance(client, redis.asyncio.Redis)
             kwargs = client.connection_pool.connection_kwargs
-            assert (kwargs["password"], kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (
-                "s3cret",
-                2,
-                0.5,
-            )
+            assert (kwargs["password"], kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == ("s3cret", 2, 0.5)
             assert client.connection_pool.max_connections == 7
             # The write went to the primary, as django-redis writes; the sync path reads it back.
             assert primary.client(password="s3cret").dbsize() == 1

@@ -209,10 +209,9 @@ def test_a_failover_keeps_the_state_and_surfaces_no_error(cluster, redis_backend
         replica = cluster.node_for_slot(slot, role="replica")
         replica_client = replica.client()
         deadline = time.monotonic() + 10
-        while (
-            replica_client.info("replication")["master_repl_offset"]
-            < old_master.client().info("replication")["master_repl_offset"]
-        ):
+        while replica_client.info("replication")["master_repl_offset"] < old_master.client().info("replication")[
+            "master_repl_offset"
+        ]:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         replica_client.execute_command("CLUSTER FAILOVER")

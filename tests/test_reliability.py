@@ -369,10 +369,7 @@ def test_f10_injected_retries_consume_exactly_one_token_per_admission(inject):
 def test_f10_retries_exhausted_apply_the_fail_mode_and_write_nothing(inject):
     code = INJECTED_CODE[settings.DB]
     config = {"rate": 100, "period": 3600}
-    with (
-        tokenbucket(RETRY_ATTEMPTS=3, RETRY_BASE_DELAY=0.0001, RETRY_MAX_DELAY=0.001, **PORTABLE) as backend,
-        frozen_clock(T0),
-    ):
+    with tokenbucket(RETRY_ATTEMPTS=3, RETRY_BASE_DELAY=0.0001, RETRY_MAX_DELAY=0.001, **PORTABLE) as backend, frozen_clock(T0):
         limiter.limit("f10", "k", config=config)
         before = stored("f10", "k")
         gave_up = backend.gave_up[code]
@@ -507,9 +504,7 @@ def test_k4_a_decision_that_waited_for_the_lock_reads_a_time_after_the_state(sid
         assert now < stored_ts  # stale by the lock wait: what the shipped SQL avoids
     else:
         assert now >= stored_ts
-    figure(
-        f"K4 {settings.DB} {'statement start' if control else 'after the lock'}: decision time - stored ts = {(now - stored_ts) / 1000:.1f} ms"
-    )
+    figure(f"K4 {settings.DB} {'statement start' if control else 'after the lock'}: decision time - stored ts = {(now - stored_ts) / 1000:.1f} ms")
 
 
 # ---------------------------------------------------------------------------------------

@@ -131,9 +131,7 @@ def test_imports_inside_functions_are_few_and_each_says_why():
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     line = node.lineno - 1
                     above = lines[line - 1].strip()
-                    comment = lines[line].partition("#")[2].strip() or (
-                        above[1:].strip() if above.startswith("#") else ""
-                    )
+                    comment = lines[line].partition("#")[2].strip() or (above[1:].strip() if above.startswith("#") else "")
                     inside.append((f"{name}:{node.lineno}", comment))
     assert len(inside) <= MAX_FUNCTION_LEVEL_IMPORTS, inside
     assert [where for where, why in inside if not why] == []

@@ -235,10 +235,7 @@ def test_a_replaced_timer_decides_at_its_time(transactional_db):
     assert call(View, **{"X-Tenant": "t"}).status_code == 200
 
 
-@pytest.mark.parametrize(
-    "rate, codes_expected",
-    [("3/sec", [200] * 3 + [429]), ("2/min", [200] * 2 + [429] * 2), ("1/hr", [200] + [429] * 3)],
-)
+@pytest.mark.parametrize("rate, codes_expected", [("3/sec", [200] * 3 + [429]), ("2/min", [200] * 2 + [429] * 2), ("1/hr", [200] + [429] * 3)])
 def test_drfs_documented_spellings(api, rate, codes_expected):
     rates = {**REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"], "anon": rate}
     with override_settings(REST_FRAMEWORK={**REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": rates}):

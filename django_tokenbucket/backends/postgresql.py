@@ -90,7 +90,8 @@ _ARGUMENT_TYPES = (
 )
 _STEP_ARGUMENT_TYPES = ", ".join(["text"] + ["numeric"] * 10)
 _SINGLE_ARGUMENT_TYPES = (
-    "text, text, text, text, bigint, bigint, bigint, bigint, bigint, bigint, bigint, bigint, bigint, boolean, boolean"
+    "text, text, text, text, bigint, bigint, bigint, bigint, bigint, bigint, bigint, bigint, bigint, "
+    "boolean, boolean"
 )
 
 

@@ -41,7 +41,9 @@ try:
     from django_redis import get_redis_connection
     from django_redis.pool import ConnectionFactory
 except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError(f"the Redis backend needs django-redis: pip install 'dj-tokenbucket[redis]' ({exc})") from exc
+    raise ImportError(
+        f"the Redis backend needs django-redis: pip install 'dj-tokenbucket[redis]' ({exc})"
+    ) from exc
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 from redis.commands.core import Script

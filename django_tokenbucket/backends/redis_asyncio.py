@@ -126,7 +126,9 @@ class AsyncioClients:
         self.alias = alias
         self.setting = setting
         self._cluster_factory = cluster_factory
-        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClient] = weakref.WeakKeyDictionary()
+        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClient] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
         #: Why the async API runs in a thread (settings it cannot mirror), or None.
         self.thread_reason: str | None = None

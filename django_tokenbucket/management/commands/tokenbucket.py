@@ -42,7 +42,7 @@ from ...shards import shard_configs, shard_key
 from ...state import FULL, LIMITED, PARTIAL, LiveState, live_state, one_token, store_now
 from ...text import describe_rate, format_duration, format_tokens
 
-_JSON_HINT = 'e.g. null, 42, "alice" or ["ip", "203.0.113.7"]'
+_JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"
 _REQUEST_KEY_HINT = "e.g. --key post:username=alice, --key ip=203.0.113.7, --key user=42"
 
 
@@ -85,7 +85,9 @@ class Command(BaseCommand):
         for name, text in (("show", "Show a limit, or one key's state now."), ("reset", "Reset one key, or all.")):
             command = sub.add_parser(name, parents=[common], help=text)
             command.add_argument("name", help="The limit's name.")
-            command.add_argument("key", nargs="?", help="The key, a string unless --int, --json or --digest is given.")
+            command.add_argument(
+                "key", nargs="?", help="The key, a string unless --int, --json or --digest is given."
+            )
             forms = command.add_mutually_exclusive_group()
             forms.add_argument("--int", action="store_true", dest="int_key", help="KEY is an integer key.")
             forms.add_argument("--json", action="store_true", dest="json_key", help=f"KEY is JSON ({_JSON_HINT}).")
@@ -100,7 +102,9 @@ class Command(BaseCommand):
                 "post:username=alice, username=alice, header:X-Api-Key=..., get:q=..., ip=203.0.113.7, user=42.",
             )
             if name == "reset":
-                command.add_argument("--yes", action="store_true", help="Without KEY: reset every key without asking.")
+                command.add_argument(
+                    "--yes", action="store_true", help="Without KEY: reset every key without asking."
+                )
                 command.add_argument(
                     "--no-input", "--noinput", action="store_false", dest="interactive", help="Never prompt."
                 )
@@ -124,7 +128,9 @@ class Command(BaseCommand):
         )
         clean.add_argument("--dry-run", action="store_true", help="Report what would be deleted; delete nothing.")
         clean.add_argument("--max-seconds", type=float, help="Stop after this long (the next run continues).")
-        clean.add_argument("--pause", type=float, help="Seconds to sleep between batches (default: 0; 0.1 on SQLite).")
+        clean.add_argument(
+            "--pause", type=float, help="Seconds to sleep between batches (default: 0; 0.1 on SQLite)."
+        )
         clean.add_argument("--name", action="append", dest="names", help="Only this limit (repeatable).")
         clean.add_argument("--json", action="store_true", dest="as_json", help="Print the report as JSON.")
 
@@ -252,7 +258,10 @@ class Command(BaseCommand):
         counts: dict[str, int] = {}
         if not no_counts:
             rows = (
-                RateLimit.objects.using(database_alias(database)).order_by().values("name").annotate(rows=Count("pk"))
+                RateLimit.objects.using(database_alias(database))
+                .order_by()
+                .values("name")
+                .annotate(rows=Count("pk"))
             )
             counts = {row["name"]: row["rows"] for row in rows}
         names = sorted(set(limits) | set(counts))
