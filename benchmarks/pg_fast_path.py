@@ -1,12 +1,17 @@
 """The PostgreSQL fast path against its floors, interleaved in one run.
 
     TOKENBUCKET_TEST_DB=postgres python benchmarks/pg_fast_path.py [--rounds 7] [--calls 300]
-        [--database tb_pg_fast_path] [--option PREPARE=False] [--port 6432]
+        [--database tb_pg_fast_path] [--option PREPARE=False] [--port 6432] [--turns call]
 
-Each round times, one after the other and ``--calls`` times each: Django's ``SELECT 1``,
-a raw durable one-row ``UPDATE`` through a Django cursor in autocommit (the floor for a
-decision that writes), ``limiter.limit()`` on fresh keys (each an admission, a write),
-and ``limiter.limit()`` on one hot key (after its first 10, denials, which write nothing).
+Each round times ``--calls`` calls of each of these, one after the other (``--turns
+call``: taking turns call by call, so that a burst of other work on a shared machine
+lands on all of them alike; every figure is then higher, SELECT 1's most): Django's
+``SELECT 1``, a raw durable one-row ``UPDATE`` through a Django cursor in autocommit (the
+floor for a decision that writes), ``limiter.limit()`` on fresh keys (each an admission,
+a write), ``limiter.limit()`` on one hot key (after its first 10, denials, which write
+nothing: they read first, the key being recently denied), and the same on another hot
+key with the backend's memory of it cleared before each call (so each
+denial calls the single-decision function: the path before reading first).
 It prints each round's p50s and the median over rounds of the ratios that issue 19
 targets: hot key <= 1.5x SELECT 1, fresh keys <= 1.3x the UPDATE. Ratios of one run,
 not absolute figures: the machine may be shared. The database (created and dropped
@@ -21,7 +26,6 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +40,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--database", default="tb_pg_fast_path")
     parser.add_argument("--port", default=None)
+    parser.add_argument("--turns", choices=["block", "call"], default="block")
     parser.add_argument("--option", action="append", default=[], help="a database backend OPTION, NAME=python-literal")
     args = parser.parse_args()
 
@@ -66,7 +71,7 @@ def main() -> None:
             cursor.execute("INSERT INTO bench_row VALUES (1, 0) ON CONFLICT DO NOTHING")
         tokenbucket = {**settings.TOKENBUCKET, "OPTIONS": {**settings.TOKENBUCKET.get("OPTIONS", {}), **options}}
         with override_settings(TOKENBUCKET=tokenbucket):
-            run(args.rounds, args.calls, limiter, connection)
+            run(args.rounds, args.calls, limiter, connection, by_call=args.turns == "call")
     finally:
         connections.close_all()
         if args.port:
@@ -82,16 +87,13 @@ def main() -> None:
         teardown_databases(old, verbosity=0)
 
 
-def p50(call: Callable[[int], object], calls: int, start: int) -> float:
-    times = []
-    for i in range(start, start + calls):
-        began = time.perf_counter()
-        call(i)
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e6
+def run(rounds: int, calls: int, limiter: object, connection: object, *, by_call: bool) -> None:
+    from django_tokenbucket.backends import get_backend
+    from django_tokenbucket.keys import encode_key
 
+    recent = get_backend()._recent_denials  # type: ignore[attr-defined]
+    function_key = encode_key("hot-function").digest
 
-def run(rounds: int, calls: int, limiter: object, connection: object) -> None:
     def select_1(i: int) -> None:
         with connection.cursor() as cursor:  # type: ignore[attr-defined]
             cursor.execute("SELECT 1")
@@ -109,15 +111,34 @@ def run(rounds: int, calls: int, limiter: object, connection: object) -> None:
     def hot(i: int) -> None:
         limiter.limit("bench", "hot", config=config)  # type: ignore[attr-defined]
 
-    for warm in (select_1, update, fresh, hot):
-        p50(warm, 50, 10**9)
-    kinds = {"SELECT 1": select_1, "UPDATE": update, "fresh": fresh, "hot": hot}
-    ratios: dict[str, list[float]] = {"hot / SELECT 1": [], "fresh / UPDATE": []}
+    def hot_function(i: int) -> None:
+        recent.forget("default", "bench", function_key)
+        limiter.limit("bench", "hot-function", config=config)  # type: ignore[attr-defined]
+
+    kinds = {"SELECT 1": select_1, "UPDATE": update, "fresh": fresh, "hot": hot, "hot (fn)": hot_function}
+    for call in kinds.values():
+        for i in range(50):
+            call(10**9 + i)
+    ratios: dict[str, list[float]] = {"hot / SELECT 1": [], "hot (fn) / SELECT 1": [], "fresh / UPDATE": []}
     print("round  " + "  ".join(f"{name:>9}" for name in kinds) + "   (p50, µs)")
     for number in range(rounds):
-        figures = {name: p50(call, calls, number * calls) for name, call in kinds.items()}
+        times: dict[str, list[float]] = {name: [] for name in kinds}
+        turns = (
+            [(i, kinds) for i in range(number * calls, (number + 1) * calls)]
+            if by_call
+            else [
+                (i, {name: call}) for name, call in kinds.items() for i in range(number * calls, (number + 1) * calls)
+            ]
+        )
+        for i, turn in turns:
+            for name, call in turn.items():
+                began = time.perf_counter()
+                call(i)
+                times[name].append(time.perf_counter() - began)
+        figures = {name: statistics.median(values) * 1e6 for name, values in times.items()}
         print(f"{number:5}  " + "  ".join(f"{figures[name]:9.0f}" for name in kinds))
         ratios["hot / SELECT 1"].append(figures["hot"] / figures["SELECT 1"])
+        ratios["hot (fn) / SELECT 1"].append(figures["hot (fn)"] / figures["SELECT 1"])
         ratios["fresh / UPDATE"].append(figures["fresh"] / figures["UPDATE"])
     for name, values in ratios.items():
         print(f"{name}: median {statistics.median(values):.2f}x (rounds: {', '.join(f'{v:.2f}' for v in values)})")

@@ -37,11 +37,13 @@ from django_tokenbucket.backends.postgresql import (
     _PRODUCT_BOUND,
     FUNCTION_NAME,
     FUNCTIONS_SQL,
+    READ_STATEMENT_MARK,
     SINGLE_STATEMENT_MARK,
     decide_in_server,
     decide_one,
     drop_sql,
 )
+from django_tokenbucket.keys import encode_key
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
 
@@ -85,8 +87,9 @@ def stored(request: Request) -> State | None:
 
 #: The ways a decision reaches the server: the single statement (prepared, or sent as it
 #: is, as behind PgBouncer), falling back to the general function where it hands the
-#: decision back; and the general function alone.
-PATHS = ["single-prepared", "single-sent", "general"]
+#: decision back; the read-first path (a plain read decided in Python, then a
+#: compare-and-set), as a key recently denied takes; and the general function alone.
+PATHS = ["single-prepared", "single-sent", "read-first", "general"]
 
 
 def deciding(path: str, async_commit: bool = False, note=lambda label: None):
@@ -95,9 +98,15 @@ def deciding(path: str, async_commit: bool = False, note=lambda label: None):
     def decide(requests, apply):
         pinned_now = clock_module.override()
         if path != "general" and len(requests) == 1:
-            prepare = path == "single-prepared"
+            prepare = path != "single-sent"
             outcome = decide_one(
-                connection, requests[0], apply=apply, pinned_now=pinned_now, async_commit=async_commit, prepare=prepare
+                connection,
+                requests[0],
+                apply=apply,
+                pinned_now=pinned_now,
+                async_commit=async_commit,
+                prepare=prepare,
+                read_first=path == "read-first",
             )
             if outcome is not None:
                 note("decided by the single statement")
@@ -162,7 +171,7 @@ def row_version(name: str) -> tuple[str, int, int]:
 
 
 def on_fast_path(sql: str) -> bool:
-    return FUNCTION_NAME in sql or SINGLE_STATEMENT_MARK in sql
+    return FUNCTION_NAME in sql or SINGLE_STATEMENT_MARK in sql or READ_STATEMENT_MARK in sql
 
 
 def decisions_sent(queries) -> list[str]:
@@ -178,9 +187,11 @@ def test_a_decision_is_one_statement(backend):
             [LimitRequest("ten_per_minute", "one"), LimitRequest("inline", "one", config={"rate": 1, "period": 1})]
         )
     sent = decisions_sent(queries)
-    assert [SINGLE_STATEMENT_MARK in sql for sql in sent] == [True, True, False]
+    # A check writes nothing whatever it finds: it reads the row, a plain SELECT.
+    assert [SINGLE_STATEMENT_MARK in sql for sql in sent] == [True, False, False]
+    assert READ_STATEMENT_MARK in sent[1]
     assert FUNCTION_NAME in sent[2]
-    assert len(queries) - len(sent) <= 1
+    assert len(queries) - len(sent) <= 2
 
 
 def test_denials_and_checks_write_no_row_version(backend):
@@ -198,19 +209,23 @@ def test_denials_and_checks_write_no_row_version(backend):
         assert row_version("ten_per_minute")[0] != written[0]
 
 
-def test_a_denial_and_a_check_take_no_transaction_id_and_lock_no_row(backend):
-    """The single statement run inside a transaction of the test's own, which shows
-    whether it took a transaction id (any write, or a row lock, would)."""
+@pytest.mark.parametrize("read_first", [False, True], ids=["single", "read-first"])
+def test_a_denial_and_a_check_take_no_transaction_id_and_lock_no_row(backend, read_first):
+    """The single statement (or the read-first one) run inside a transaction of the
+    test's own, which shows whether it took a transaction id (any write, or a row lock,
+    would)."""
     config = parity._config(name="xid", rate=10 * MICRO, period=60 * MICRO, capacity=10 * MICRO)
     request = Request(config, parity.ALICE, MICRO)
 
     def decide(apply: bool) -> bool:
-        outcome = decide_one(connection, request, apply=apply, pinned_now=parity.T0_US, async_commit=False)
+        outcome = decide_one(
+            connection, request, apply=apply, pinned_now=parity.T0_US, async_commit=False, read_first=read_first
+        )
         assert outcome is not None
         return outcome.decisions[0].allowed
 
     assert all(decide(apply=True) for _ in range(10))
-    assert not any(decide(apply=True) for _ in range(3))  # sent, then prepared: alike
+    assert not any(decide(apply=True) for _ in range(7))  # sent, then prepared: alike
     for apply in (True, False):  # a denial, and a check
         with transaction.atomic():
             assert not decide(apply)
@@ -375,10 +390,29 @@ def test_a_connection_planned_on_an_empty_table_still_finds_rows_by_key(backend)
         assert index_entries_read() - before < 50
 
 
-@pytest.mark.parametrize("options, most", [({}, None), ({"ASYNC_COMMIT": True}, 5)], ids=["durable", "async"])
+def test_the_read_first_statement_planned_on_an_empty_table_still_finds_rows_by_key(backend):
+    """The same for the prepared read (checks, and keys recently denied): a generic plan
+    made on the empty table must still go through the unique (name, key) index."""
+    with frozen_clock(T0):
+        for i in range(10):  # past the prepared statement's five custom plans
+            limiter.check("ten_per_minute", f"early{i}")
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO django_tokenbucket_ratelimit (name, key, label, value, ts) "
+                "SELECT 'ten_per_minute', md5(g::text), '', 0, 0 FROM generate_series(1, 20000) g"
+            )
+        before = index_entries_read()
+        for i in range(3):
+            assert limiter.check("ten_per_minute", f"late{i}").ok
+        assert index_entries_read() - before < 50
+
+
+@pytest.mark.parametrize("options, most", [({}, None), ({"ASYNC_COMMIT": True}, 25)], ids=["durable", "async"])
 def test_async_commit_skips_the_wal_flush(options, most):
-    """Each durable commit waits for its own flush; ASYNC_COMMIT leaves them to the WAL writer."""
-    decisions = 40
+    """Each durable commit waits for its own flush; ASYNC_COMMIT leaves them to the WAL
+    writer. (The server is shared with other clients, whose flushes count too: hence
+    the margin.)"""
+    decisions = 100
     with backend_with(**options):
         before = wal_flushes()
         for number in range(decisions):
@@ -388,6 +422,113 @@ def test_async_commit_skips_the_wal_flush(options, most):
         assert flushes >= decisions
     else:
         assert flushes <= most
+
+
+@pytest.mark.parametrize("async_commit, most", [(False, None), (True, 25)], ids=["durable", "async"])
+def test_async_commit_skips_the_wal_flush_on_the_read_first_path(async_commit, most):
+    """The read-first path's compare-and-set writes honour ASYNC_COMMIT too. (The server
+    is shared with other clients, whose flushes count too: hence the margin.)"""
+    decisions = 100
+    config = parity._config(name="wal", rate=10 * MICRO, period=60 * MICRO, capacity=10 * MICRO)
+    before = wal_flushes()
+    for number in range(decisions):
+        request = Request(config, encode_key(f"wal-{number}"), MICRO)
+        outcome = decide_one(
+            connection, request, apply=True, pinned_now=parity.T0_US, async_commit=async_commit, read_first=True
+        )
+        assert outcome is not None and outcome.decisions[0].allowed
+    flushes = wal_flushes() - before
+    assert RateLimit.objects.filter(name="wal", value=9 * MICRO).count() == decisions
+    if most is None:
+        assert flushes >= decisions
+    else:
+        assert flushes <= most
+
+
+def path_of(sql: str) -> str:
+    for mark, path in ((SINGLE_STATEMENT_MARK, "single"), (READ_STATEMENT_MARK, "read"), (FUNCTION_NAME, "general")):
+        if mark in sql:
+            return path
+    return sql.split(" ", 1)[0]
+
+
+def test_a_key_seen_denied_is_read_first_until_it_admits_with_room(backend):
+    """The path follows what this process saw: the function while a key admits, a read
+    once it is short of a call, until an admission leaves room for the next."""
+    with frozen_clock(T0), CaptureQueriesContext(connection) as queries:
+        allowed = [limiter.limit("ten_per_minute", "seen").ok for _ in range(12)]
+        limiter.reset("ten_per_minute", "seen")
+        allowed += [limiter.limit("ten_per_minute", "seen").ok for _ in range(2)]
+    assert allowed == [True] * 10 + [False, False, True, True]
+    paths = [path_of(sql) for sql in decisions_sent(queries)]
+    paths = [path for path in paths if path not in ("BEGIN", "COMMIT")]  # around reset's DELETE
+    assert paths == ["single"] * 10 + ["read", "read", "DELETE", "read", "INSERT", "single"]
+
+
+def test_a_compare_and_set_that_loses_a_race_hands_over_and_stays_exact(backend):
+    """Another decision commits between this one's read and its write: the write matches
+    nothing, and the general function decides again under the row lock."""
+    with frozen_clock(T0):
+        for _ in range(9):
+            assert limiter.limit("ten_per_minute", "race").ok
+    request = Request(limiter.resolve("ten_per_minute"), encode_key("race"), MICRO)
+    other = connections.create_connection("default")
+    other.set_autocommit(False)
+    try:
+        with other.cursor() as cursor:  # the other decision: the last token, not yet committed
+            cursor.execute(
+                "UPDATE django_tokenbucket_ratelimit SET value = value - %s WHERE name = 'ten_per_minute'", [MICRO]
+            )
+        result: list[object] = []
+
+        def decide() -> None:
+            try:
+                with CaptureQueriesContext(connections["default"]) as queries:
+                    first = decide_one(
+                        connections["default"],
+                        request,
+                        apply=True,
+                        pinned_now=parity.T0_US,
+                        async_commit=False,
+                        read_first=True,
+                    )
+                    with connections["default"].cursor() as cursor:
+                        then = decide_in_server(
+                            cursor, [request], apply=True, pinned_now=parity.T0_US, async_commit=False
+                        )
+                result.extend([first, then, [path_of(q["sql"]) for q in queries]])
+            except BaseException as exc:  # handed to the test
+                result.append(exc)
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=decide)
+        thread.start()
+        # The read saw one token and admitted; its write waits for the other's row lock.
+        deadline = time.monotonic() + 10
+        while not waiting_for_a_lock() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waiting_for_a_lock()
+        other.commit()
+        thread.join(30)
+    finally:
+        other.close()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    first, then, paths = result
+    assert first is None
+    assert paths == ["read", "UPDATE", "general"]
+    assert not then.decisions[0].allowed and then.decisions[0].value == 0
+    assert RateLimit.objects.get(name="ten_per_minute").value == 0
+
+
+def waiting_for_a_lock() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return bool(cursor.fetchone()[0])
 
 
 # ---------------------------------------------------------------------------------------

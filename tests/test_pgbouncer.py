@@ -34,7 +34,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_tokenbucket import BackendUnavailable, limiter
 from django_tokenbucket.backends import postgresql
-from django_tokenbucket.backends.postgresql import SINGLE_STATEMENT_MARK
+from django_tokenbucket.backends.postgresql import READ_STATEMENT_MARK, SINGLE_STATEMENT_MARK
 from django_tokenbucket.testing import frozen_clock
 
 from .conftest import pgbouncer_binary
@@ -154,10 +154,16 @@ def test_the_fast_path_finds_the_pooler_and_sends_its_statement_unprepared(pgbou
             for _ in range(6):
                 values.append(limiter.limit("bounced", "k", config=CONFIG).value)
                 values.append(in_another_thread(lambda: limiter.limit("bounced", "k", config=CONFIG).value))
-        assert values == [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0, 0]
+            values.append(limiter.limit("bounced", "k", config=CONFIG).value)  # seen denied: read first
+        assert values == [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0, 0, 0]
         assert postgresql._prepared[connections[ALIAS].connection] is None
         sent = [q["sql"] for q in queries]
-        assert all(SINGLE_STATEMENT_MARK in sql and not sql.startswith(("PREPARE", "EXECUTE")) for sql in sent)
+        assert not any(sql.startswith(("PREPARE", "EXECUTE")) for sql in sent)
+        # The single statement while tokens last, a read for the key this process saw denied.
+        marks = [
+            "single" if SINGLE_STATEMENT_MARK in sql else "read" if READ_STATEMENT_MARK in sql else sql for sql in sent
+        ]
+        assert marks[:5] == ["single"] * 5 and marks[-1] == "read" and set(marks) == {"single", "read"}
         # The client was told of a process that is not the one serving it.
         with connections[ALIAS].cursor() as cursor:
             cursor.execute("SELECT pg_backend_pid()")

@@ -41,7 +41,15 @@ from ..models import RateLimit
 from ..settings import tokenbucket_settings
 from .base import BackendError, BaseBackend, BucketPage, Outcome, Request, RowId, StoredBucket, decide_all, row_id
 from .deadline import Watch, watching
-from .postgresql import FUNCTION_NAME, PREPARE_MODES, UNDEFINED_FUNCTION, decide_in_server, decide_one, is_postgresql
+from .postgresql import (
+    FUNCTION_NAME,
+    PREPARE_MODES,
+    UNDEFINED_FUNCTION,
+    RecentDenials,
+    decide_in_server,
+    decide_one,
+    is_postgresql,
+)
 
 __all__ = [
     "OPTION_DEFAULTS",
@@ -227,6 +235,8 @@ class DatabaseBackend(BaseBackend):
         #: Aliases whose database lacks the fast path's function (migration 0004 not
         #: applied): they take the portable path from then on.
         self._without_function: set[str] = set()
+        #: Picks how a single decision goes on the fast path (never what it decides).
+        self._recent_denials = RecentDenials()
         #: Internal errors by code that were retried, and that exhausted the retries:
         #: figures for tests and operations.
         self.retried: Counter[str] = Counter()
@@ -343,16 +353,25 @@ class DatabaseBackend(BaseBackend):
         connection = connections[alias]
         pinned_now = clock.override()
         if len(requests) == 1:
+            request = requests[0]
+            recent = self._recent_denials
             outcome = decide_one(
                 connection,
-                requests[0],
+                request,
                 apply=apply,
                 pinned_now=pinned_now,
                 async_commit=self.async_commit,
                 prepare=self.prepare,
+                read_first=apply and recent.likely(alias, request),
             )
-            if outcome is not None:
-                return outcome
+            if outcome is None:
+                with connection.cursor() as cursor:
+                    outcome = decide_in_server(
+                        cursor, requests, apply=apply, pinned_now=pinned_now, async_commit=self.async_commit
+                    )
+            if apply:
+                recent.learn(alias, request, outcome.decisions[0])
+            return outcome
         with connection.cursor() as cursor:
             return decide_in_server(
                 cursor, requests, apply=apply, pinned_now=pinned_now, async_commit=self.async_commit
@@ -374,6 +393,9 @@ class DatabaseBackend(BaseBackend):
             return outcome
 
         try:
+            if self.timeout is None and not in_callers_transaction:
+                # No watchdog to set up: the common case, without the context manager.
+                return self._retrying(alias, attempt, atomic=atomic and write)
             with self._deadline(alias) as watch:
                 if not in_callers_transaction:
                     # A read is retried too: it writes nothing, and on SERIALIZABLE even

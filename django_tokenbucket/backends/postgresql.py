@@ -9,6 +9,11 @@ reads the row, decides with the database clock, and writes only when something c
   bigint, whose text is the same for every call, with bound parameters. Where the
   connection reaches PostgreSQL itself (not a pooler such as PgBouncer: the backend's
   ``PREPARE`` option) the call is a prepared statement.
+* One limit, one key that is likely denied (``RecentDenials``), or a check: a plain
+  read of the row and the clock in one statement, decided in Python (``LimitConfig.decide``).
+  A denial or a check ends there, one indexed SELECT (a PL/pgSQL call costs about
+  three times as much on the server: the function re-initialises its expressions in
+  every transaction). An admission then writes with a compare-and-set.
 * Everything else, and the rare single decisions that function hands back (a value
   that could overflow 64 bits, a lost compare-and-set): one call of
   ``django_tokenbucket_decide_v3`` (``decide_in_server``), in numeric.
@@ -19,6 +24,8 @@ them to the same answers.
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from collections.abc import Sequence
 from importlib import resources
@@ -26,7 +33,7 @@ from typing import Any
 
 from django.db import DatabaseError
 
-from ..algorithms import CLOCK_SKEW_TOLERANCE, Decision, lowest_value
+from ..algorithms import CLOCK_SKEW_TOLERANCE, Decision, State, lowest_value
 from .base import Outcome, Request, RowId, row_id
 
 __all__ = [
@@ -34,8 +41,10 @@ __all__ = [
     "FUNCTION_NAME",
     "FUNCTION_VERSION",
     "PREPARE_MODES",
+    "READ_STATEMENT_MARK",
     "SINGLE_STATEMENT_MARK",
     "UNDEFINED_FUNCTION",
+    "RecentDenials",
     "decide_in_server",
     "decide_one",
     "drop_sql",
@@ -55,6 +64,8 @@ _STEP_NAME = f"{_PREFIX}step_v{FUNCTION_VERSION}"
 _SINGLE_NAME = f"{_PREFIX}single_v{FUNCTION_VERSION}"
 #: In the text of every single-decision statement, prepared or not (for tests and logs).
 SINGLE_STATEMENT_MARK = _SINGLE_NAME
+#: In the text of every read-first statement, prepared or not (for tests and logs).
+READ_STATEMENT_MARK = f"{_PREFIX}read_v{FUNCTION_VERSION}"
 
 #: SQLSTATE of a call to a function that does not exist (the migration not applied).
 UNDEFINED_FUNCTION = "42883"
@@ -138,9 +149,42 @@ class _Statement:
     execute = f"EXECUTE {name} ({_PLACEHOLDERS})"
 
 
-#: Per driver connection: whether it has prepared the statement, or None where it must
-#: not (a pooler stands between it and PostgreSQL). Absent: not known yet.
-_prepared: weakref.WeakKeyDictionary[Any, bool | None] = weakref.WeakKeyDictionary()
+class _Read:
+    """The read-first statement: the row (if any) and the clock, read after the row as in
+    the function. A LEFT JOIN from one row, so a missing row still gives the clock; the
+    key asked for as a range in key order, for the reason "How a row is looked up" in
+    the SQL file gives (a generic plan must keep to the unique index)."""
+
+    name = READ_STATEMENT_MARK
+    _body = (
+        "SELECT COALESCE({0}::bigint, (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::bigint), "
+        "r.value, r.ts, pg_backend_pid() FROM (VALUES (1)) AS one LEFT JOIN LATERAL ("
+        "SELECT value, ts FROM django_tokenbucket_ratelimit WHERE name = {1} AND key >= {2} AND key <= {2} "
+        "ORDER BY key LIMIT 1) AS r ON true"
+    )
+    text = f"/* {name} */ " + _body.format("%(pinned)s", "%(name)s", "%(key)s")
+    prepare = f"PREPARE {name} (bigint, text, text) AS " + _body.format("$1", "$2", "$3")
+    execute = f"EXECUTE {name} (%(pinned)s, %(name)s, %(key)s)"
+
+
+#: The compare-and-set writes of the read-first path: they match nothing if another
+#: decision changed (or made) the row since it was read. With ASYNC_COMMIT the
+#: transaction-local setting rides in the statement itself (an autocommit statement is
+#: its own transaction), evaluated only on the row being written.
+_ASYNC = " AND set_config('synchronous_commit', 'off', true) IS NOT NULL"
+_UPDATE = (
+    "UPDATE django_tokenbucket_ratelimit SET value = %s, ts = %s "
+    "WHERE name = %s AND key = %s AND value = %s AND ts = %s"
+)
+_INSERT = (
+    "INSERT INTO django_tokenbucket_ratelimit (name, key, label, value, ts) SELECT %s, %s, %s, %s, %s "
+    "WHERE true{} ON CONFLICT (name, key) DO NOTHING"
+)
+
+
+#: Per driver connection: the names of the statements it has prepared, or None where it
+#: must not prepare (a pooler stands between it and PostgreSQL). Absent: not known yet.
+_prepared: weakref.WeakKeyDictionary[Any, set[str] | None] = weakref.WeakKeyDictionary()
 
 
 def _reaches_postgresql(raw: Any, server_pid: int) -> bool:
@@ -156,6 +200,34 @@ def _reaches_postgresql(raw: Any, server_pid: int) -> bool:
     return info is not None and getattr(info, "backend_pid", None) == server_pid
 
 
+def _fetch(connection: Any, statement: Any, values: Any, prepare: str | bool, pid_column: int) -> Any:
+    """Run ``statement`` (prepared where the connection may prepare) and return its row;
+    learn from its ``pid_column`` whether the connection reaches PostgreSQL itself."""
+    with connection.cursor() as cursor:
+        raw = connection.connection
+        prepared = _prepared.get(raw) if prepare is not False else None
+        if prepared is not None:
+            try:
+                if statement.name not in prepared:
+                    cursor.execute(statement.prepare)
+                    prepared.add(statement.name)
+                cursor.execute(statement.execute, values)
+                return cursor.fetchone()
+            except DatabaseError as exc:
+                # The session lost it (DISCARD ALL, DEALLOCATE): learn again, meanwhile
+                # send the statement itself. Nothing ran: the EXECUTE failed before.
+                cause = exc.__cause__
+                if (getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)) != _NO_SUCH_STATEMENT:
+                    raise
+                del _prepared[raw]
+        cursor.execute(statement.text, values)
+        row = cursor.fetchone()
+        if prepare is not False and raw not in _prepared:
+            direct = prepare is True or _reaches_postgresql(raw, row[pid_column])
+            _prepared[raw] = set() if direct else None
+        return row
+
+
 def decide_one(
     connection: Any,
     request: Request,
@@ -164,14 +236,23 @@ def decide_one(
     pinned_now: int | None,
     async_commit: bool,
     prepare: str | bool = "auto",
+    read_first: bool = False,
 ) -> Outcome | None:
     """Decide one request with one statement, or return None for the general function.
+
+    With ``read_first`` (a denial is likely), and for every check (``apply`` false),
+    the decision reads the row and decides in Python (``_read_first``). Otherwise it is
+    one call of the single-decision function. Both are exact whichever is taken.
 
     None comes back, having written nothing, when the config or the stored state is
     beyond the statement's exact bounds, or when another decision changed the row
     between this one's read and its write (then the general function decides under
     the row lock). ``connection`` is a Django connection in autocommit.
     """
+    if read_first or not apply:
+        return _read_first(
+            connection, request, apply=apply, pinned_now=pinned_now, async_commit=async_commit, prepare=prepare
+        )
     config = request.config
     rate, period, count = config.rate, config.period, request.count
     # How far below the capacity the stored value may be for every product to stay
@@ -198,36 +279,106 @@ def decide_one(
         apply,
         async_commit,
     )
-    with connection.cursor() as cursor:
-        raw = connection.connection
-        prepared = _prepared.get(raw) if prepare is not False else None
-        row = None
-        if prepared is not None:
-            try:
-                if not prepared:
-                    cursor.execute(_Statement.prepare)
-                    _prepared[raw] = True
-                cursor.execute(_Statement.execute, values)
-                row = cursor.fetchone()
-            except DatabaseError as exc:
-                # The session lost it (DISCARD ALL, DEALLOCATE): learn again, meanwhile
-                # send the statement itself. Nothing ran: the EXECUTE failed before.
-                cause = exc.__cause__
-                if (getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)) != _NO_SUCH_STATEMENT:
-                    raise
-                del _prepared[raw]
-        if row is None:
-            cursor.execute(_Statement.text, values)
-            row = cursor.fetchone()
-            if prepare is not False and raw not in _prepared:
-                direct = prepare is True or _reaches_postgresql(raw, row[6])
-                _prepared[raw] = False if direct else None
+    row = _fetch(connection, _Statement, values, prepare, 6)
     decided, allowed, value, retry_after, full_after, now = row[:6]
     if not decided:
         return None
     return Outcome(
         [Decision(allowed=allowed, value=value, retry_after=retry_after, full_after=full_after, state=None)], now
     )
+
+
+def _read_first(
+    connection: Any, request: Request, *, apply: bool, pinned_now: int | None, async_commit: bool, prepare: str | bool
+) -> Outcome | None:
+    """Read the row and the clock, decide in Python, write (compare-and-set) only what changed.
+
+    Python's integers need no bounds. The read takes no row lock and no transaction id,
+    like the function's own read; a write matches nothing if the row changed since, and
+    then None hands the decision to the general function, which decides under the lock.
+    """
+    config, digest = request.config, request.key.digest
+    now, value, ts, _ = _fetch(
+        connection, _Read, {"pinned": pinned_now, "name": config.name, "key": digest}, prepare, 3
+    )
+    state = None if value is None else State(value, ts)
+    # decide_all for one request, without its dicts: what changed is what to write.
+    decision = config.decide(state, now, request.count, digest, request.reserve)
+    new = decision.state if apply else None
+    if new is not None and new != state:
+        with connection.cursor() as cursor:
+            if state is None:
+                cursor.execute(
+                    _INSERT.format(_ASYNC if async_commit else ""),
+                    [config.name, digest, request.key.label, new.value, new.ts],
+                )
+            else:
+                cursor.execute(
+                    _UPDATE + _ASYNC if async_commit else _UPDATE,
+                    [new.value, new.ts, config.name, digest, state.value, state.ts],
+                )
+            if cursor.rowcount != 1:
+                return None
+    return Outcome([decision], now)
+
+
+class RecentDenials:
+    """Which keys this process saw denied lately, to pick how their next decision goes.
+
+    A decision on a key likely denied reads first (one plain SELECT, and for a denial
+    nothing more); any other calls the function, which admits in one round trip where
+    reading first would cost two. A key is remembered from an outcome that leaves it
+    short of one more call of the same count, until the time that call would be allowed
+    (measured on this process' monotonic clock: a guess, not the store's time), and
+    forgotten when it admits with room to spare. Bounded: past ``size`` keys, the
+    oldest is forgotten.
+
+    Exactness never depends on it: both paths decide alike (tests/test_pg_fast_path.py),
+    and a wrong guess costs only a round trip.
+    """
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._until: dict[tuple[str, str, str], float] = {}
+        self._lock = threading.Lock()
+
+    def forget(self, alias: str, name: str, digest: str) -> None:
+        """Forget one key: its next decision calls the function."""
+        with self._lock:
+            self._until.pop((alias, name, digest), None)
+
+    def likely(self, alias: str, request: Request) -> bool:
+        """Whether ``request`` is likely denied, as far as this process has seen."""
+        until = self._until.get((alias, request.config.name, request.key.digest))
+        return until is not None and until > time.monotonic()
+
+    def learn(self, alias: str, request: Request, decision: Decision) -> None:
+        """Remember, or forget, ``request``'s key from the decision just made."""
+        key = (alias, request.config.name, request.key.digest)
+        count = request.count
+        if decision.allowed and decision.value >= count:
+            if key in self._until:
+                with self._lock:
+                    self._until.pop(key, None)
+            return
+        config = request.config
+        if decision.allowed or decision.retry_after is None:
+            short = count - decision.value
+            wait = config.algorithm.refill_time(short, config.rate, config.period) if short > 0 else 0
+        else:
+            wait = decision.retry_after
+        if wait <= 0:
+            return
+        with self._lock:
+            self._until.pop(key, None)
+            while self._until and len(self._until) >= self.size:
+                del self._until[next(iter(self._until))]
+            self._until[key] = time.monotonic() + min(wait, _LONGEST_MEMORY) / 1e6
+
+
+#: The longest a denial is remembered (µs): a bucket emptied for hours is still picked
+#: up again by a later denial.
+_LONGEST_MEMORY = 3600 * 10**6
 
 
 # ---------------------------------------------------------------------------------------
