@@ -267,19 +267,23 @@ class Limiter:
         ``FAIL_OPEN`` says, since there is nothing to allow.
         """
         limit, amount = self._refund_amount(name, count, config)
-        return self._drive(self._refunded(limit, self._encode(limit, key), amount, key))
+        return self._drive(self._refunded(limit, self.encode_for(limit, key), amount, key))
 
     async def arefund(
         self, name: str, key: object = None, count: int | float = 1, config: ConfigSpec | None = None
     ) -> Status:
         """``refund()`` for async code."""
         limit, amount = self._refund_amount(name, count, config)
-        return await self._adrive(self._refunded(limit, self._encode(limit, key), amount, key))
+        return await self._adrive(self._refunded(limit, self.encode_for(limit, key), amount, key))
 
     # -- internals -------------------------------------------------------------------
 
-    def _refund(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Status:
-        """Refund ``amount`` micro-tokens to an encoded key (reservations keep only the digest)."""
+    def refund_encoded(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Status:
+        """Refund ``amount`` micro-tokens of a parsed limit to a key already encoded.
+
+        For code that keeps only a key's stored form, as reservations do (their rows hold
+        the digest, not the key): ``key`` is what the returned Status reports.
+        """
         return self._drive(self._refunded(limit, encoded, amount, key))
 
     def _refund_amount(self, name: str, count: int | float, config: ConfigSpec | None) -> tuple[LimitConfig, int]:
@@ -291,7 +295,7 @@ class Limiter:
 
     def _state_now(self, name: str, key: object, config: ConfigSpec | None) -> Steps[Status]:
         limit = self.resolve(name, config)
-        encoded = self._encode(limit, key)
+        encoded = self.encode_for(limit, key)
         if limit.shards > 1:
             return (yield from self._shards_status(limit, encoded, key, 0))
         # Reading has nothing to allow, so a failed store is an error even with FAIL_OPEN.
@@ -315,7 +319,7 @@ class Limiter:
 
     def _reset(self, name: str, key: object, config: ConfigSpec | None) -> Steps[None]:
         limit = self.resolve(name, config)
-        encoded = self._encode(limit, key)
+        encoded = self.encode_for(limit, key)
         if limit.shards == 1:
             yield _Reset(limit, limit, encoded)
         for index, shard in enumerate(shard_configs(limit) if limit.shards > 1 else ()):
@@ -350,7 +354,11 @@ class Limiter:
         return LimitRequest(*item)
 
     @staticmethod
-    def _encode(limit: LimitConfig, key: object) -> EncodedKey:
+    def encode_for(limit: LimitConfig, key: object) -> EncodedKey:
+        """Return ``key``'s stored form (digest and label) for ``limit``.
+
+        ValueError names the limit when ``key`` cannot be a key.
+        """
         try:
             return encode_key(key)
         except TypeError as exc:
@@ -416,7 +424,7 @@ class Limiter:
 
     def _one_request(self, limit: LimitConfig, key: object, count: int | float, reserve: bool) -> Request:
         micro = limit.validate_count(count, reserve)
-        return Request(limit, self._encode(limit, key), micro, reserve)
+        return Request(limit, self.encode_for(limit, key), micro, reserve)
 
     def _one_status(
         self,
@@ -451,7 +459,7 @@ class Limiter:
             limit = self.resolve(item.name, item.config)
             count = limit.validate_count(item.count, item.reserve)
             limits.append(limit)
-            requests.append(Request(limit, self._encode(limit, item.key), count, item.reserve))
+            requests.append(Request(limit, self.encode_for(limit, item.key), count, item.reserve))
         if self._own_backend is None:
             one_backend(limits)
 

@@ -187,7 +187,7 @@ def schedule(
     limit = limiter.resolve(name, config)
     stored_signature = _dump_signature(sig)
     options = _options(stored_signature)
-    encoded = limiter._encode(limit, key)
+    encoded = limiter.encode_for(limit, key)
     alias = reservations.database_alias()
     shared = reservations.shares_transaction(alias, limit)
     cap = max_eta()
@@ -242,7 +242,7 @@ def schedule(
 def _undo_reservation(limit: LimitConfig, key: EncodedKey, amount: int) -> None:
     """Return the tokens of a reservation whose record was never committed (a store outside the database)."""
     try:
-        limiter._refund(limit, key, amount, key.label)
+        limiter.refund_encoded(limit, key, amount, key.label)
     except Exception as exc:  # the tokens refill on their own; never hide the caller's own error
         logger.warning("rate limit %r: the tokens of a rolled-back reservation stay spent: %s", limit.name, exc)
 

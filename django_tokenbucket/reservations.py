@@ -135,13 +135,13 @@ def give_back(row: Reservation, amount: int, alias: str) -> None:
     limit = limit_of(row)
     encoded = EncodedKey(row.key, row.label)
     if shares_transaction(alias, limit):
-        limiter._refund(limit, encoded, amount, row.label)
+        limiter.refund_encoded(limit, encoded, amount, row.label)
         return
     pk = row.pk
 
     def later() -> None:
         try:
-            limiter._refund(limit, encoded, amount, row.label)
+            limiter.refund_encoded(limit, encoded, amount, row.label)
         except (BackendUnavailable, NotImplementedError) as exc:
             logger.warning("reservation %s: %s tokens could not be returned: %s", pk, amount / 1e6, exc)
 
