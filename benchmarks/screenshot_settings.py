@@ -8,6 +8,7 @@ import time
 
 from example_project.settings import *  # noqa: F403
 from example_project.settings import MIDDLEWARE
+from example_project.settings import TOKENBUCKET as EXAMPLE_TOKENBUCKET
 
 DEBUG = True  # runserver serves the admin's static files
 DATABASES = {
@@ -19,8 +20,11 @@ DATABASES = {
 }
 MIDDLEWARE = [*MIDDLEWARE, "benchmarks.screenshot_settings.log_in_as_admin"]
 TIME_ZONE = "Europe/Paris"
+# The example's own limits (its views use them) and a few more kinds for the picture.
 TOKENBUCKET = {
+    **EXAMPLE_TOKENBUCKET,
     "LIMITS": {
+        **EXAMPLE_TOKENBUCKET["LIMITS"],
         "login": {"kind": "token bucket", "rate": "5/m"},
         "send_message": {"kind": "token bucket", "rate": 10, "period": 60, "capacity": 20},
         "partner_api": {"kind": "fixed window", "rate": 100, "period": 60, "start": 0},
