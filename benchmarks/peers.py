@@ -4,7 +4,7 @@
 Every implementation is an *adapter* with one method, ``decide(key) -> allowed``, given the
 same limit (100 per second, burst 100) on the same PostgreSQL and Redis:
 
-    floors     Django SELECT 1 · a durable one-row UPDATE in autocommit · PING
+    floors     Django SELECT 1 · a durable one-row UPDATE in autocommit · PING · GET
     reference  a plain PL/pgSQL token-bucket function, called through Django's cursor
                the textbook ORM token bucket: atomic + get_or_create + select_for_update + save
                a raw EVALSHA of a simple token-bucket Lua script (the same redis-py client)
@@ -267,6 +267,26 @@ class Ping(Adapter):
         return bool(self.client.ping())
 
 
+class GetOne(Adapter):
+    """One ``GET`` of a stored key: what DRF's throttle sends to deny a hot key, and the
+    floor of any decision that reads without a script."""
+
+    name, family, store, algorithm = "GET", "baseline", "redis", "-"
+
+    def __init__(self, spec: str) -> None:
+        super().__init__(spec)
+        from django.conf import settings
+
+        from benchmarks.stores import redis_client
+
+        self.client = redis_client()
+        self.key = f"{settings.REDIS_PREFIX}:get:{spec}"
+        self.client.set(self.key, b"x" * 64)
+
+    def decide(self, key: str) -> bool:
+        return self.client.get(self.key) is not None
+
+
 #: A token bucket as a blog post would write it in Lua: tokens and the time they were
 #: counted, in a hash. Written for this benchmark; no part of django-tokenbucket.
 TOKEN_BUCKET_LUA = """
@@ -406,6 +426,7 @@ ADAPTERS: list[type[Adapter]] = [
     OursDatabaseSharded,
     OursDatabaseShardedPortable,
     Ping,
+    GetOne,
     RawEvalsha,
     LimitsFixed,
     LimitsMoving,

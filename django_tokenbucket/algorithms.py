@@ -33,6 +33,7 @@ __all__ = [
     "lowest_value",
     "token_bucket",
     "token_bucket_refund",
+    "token_bucket_taken",
 ]
 
 #: Amounts are stored in millionths of a token, times in microseconds.
@@ -173,29 +174,42 @@ def token_bucket(
         # dating the new value back by the time that earned it.
         value, value_ts = stored + credited, now - (gained - credited * period) // rate
 
-    def time_to_reach(target: int, from_value: int, from_ts: int) -> int:
-        if from_value >= target:
-            return 0
-        return from_ts + _ceil_div((target - from_value) * period, rate) - now
-
     lowest = lowest_value(reserve, max_reserved)
     after = value - count
     if lowest is None or after >= lowest:
-        return Decision(
-            allowed=True,
-            value=after,
-            retry_after=time_to_reach(0, after, value_ts) if after < 0 else None,
-            full_after=time_to_reach(capacity, after, value_ts),
-            state=State(after, value_ts),
-        )
+        return token_bucket_taken(State(after, value_ts), now, rate=rate, period=period, capacity=capacity)
     # Measured from the stored state, not the re-dated one, so the wait is exact.
     return Decision(
         allowed=False,
         value=value,
-        retry_after=time_to_reach(count + lowest, stored, since),
-        full_after=time_to_reach(capacity, stored, since),
+        retry_after=_time_to_reach(count + lowest, stored, since, now, rate, period),
+        full_after=_time_to_reach(capacity, stored, since, now, rate, period),
         state=State(stored, now) if clock_went_back else None,
     )
+
+
+def token_bucket_taken(taken: State, now: int, *, rate: int, period: int, capacity: int) -> Decision:
+    """Return the admission at ``now`` whose bucket was left at ``taken`` (its value after
+    the count was taken, dated as ``token_bucket`` dates it).
+
+    Everything an admission reports follows from the state it stores: the PostgreSQL
+    fast path's admission statement returns that state, and this completes the decision.
+    """
+    after, value_ts = taken.value, taken.ts
+    return Decision(
+        allowed=True,
+        value=after,
+        retry_after=_time_to_reach(0, after, value_ts, now, rate, period) if after < 0 else None,
+        full_after=_time_to_reach(capacity, after, value_ts, now, rate, period),
+        state=taken,
+    )
+
+
+def _time_to_reach(target: int, from_value: int, from_ts: int, now: int, rate: int, period: int) -> int:
+    """Microseconds from ``now`` until a bucket at ``from_value`` on ``from_ts`` holds ``target``."""
+    if from_value >= target:
+        return 0
+    return from_ts + _ceil_div((target - from_value) * period, rate) - now
 
 
 def fixed_window(

@@ -95,9 +95,9 @@ def _label(key: object) -> str:
 #: for each key: hashlib's copies cost half of what copying an ``hmac.HMAC`` does.
 _prepared: tuple[Any, Any] | None = None
 _prepared_lock = threading.Lock()
-#: Recent short str keys and their encodings: most calls repeat a key (a user, an
-#: address), and a dict lookup costs a tenth of the HMAC.
-_recent: dict[str, EncodedKey] = {}
+#: Recent short keys (a str, or a pair of a str and a str or int) and their encodings:
+#: most calls repeat a key (a user, an address), and a dict lookup costs a tenth of the HMAC.
+_recent: dict[object, EncodedKey] = {}
 _RECENT_SIZE = 4096
 _RECENT_KEY_LENGTH = 256
 
@@ -146,18 +146,31 @@ def _forget_secret(*, setting: str, **kwargs: Any) -> None:
 
 def encode_key(key: object) -> EncodedKey:
     """Return the digest stored for ``key`` and a short printable label of it."""
-    if type(key) is str:
+    kind = type(key)
+    # The usual keys, a str or a pair such as ("user", 42) or ("ip", "192.0.2.1"), are
+    # remembered. Types are compared exactly: ("user", True) equals ("user", 1) but must
+    # be refused, and is never stored here to be found for it.
+    cacheable = (kind is str and len(key) <= _RECENT_KEY_LENGTH) or (  # type: ignore[arg-type]
+        kind is tuple
+        and len(key) == 2  # type: ignore[arg-type]
+        and type(key[0]) is str  # type: ignore[index]
+        and len(key[0]) <= _RECENT_KEY_LENGTH  # type: ignore[index]
+        and (type(key[1]) is int or (type(key[1]) is str and len(key[1]) <= _RECENT_KEY_LENGTH))  # type: ignore[index]
+    )
+    if cacheable:
         encoded = _recent.get(key)
         if encoded is not None:
             return encoded
-        # The usual key, encoded exactly as _encode does, without its type dispatch.
-        data = key.encode("utf-8", "surrogatepass")
+    if kind is str:
+        # Encoded exactly as _encode does, without its type dispatch.
+        data = key.encode("utf-8", "surrogatepass")  # type: ignore[attr-defined]
         encoded = EncodedKey(_digest(b"s%d:%s" % (len(data), data)), _label(key))
-        if len(key) <= _RECENT_KEY_LENGTH:
-            if len(_recent) >= _RECENT_SIZE:
-                _recent.clear()  # cheaper than tracking the least recent, and as bounded
-            _recent[key] = encoded
-        return encoded
-    out = bytearray()
-    _encode(key, out)
-    return EncodedKey(_digest(bytes(out)), _label(key))
+    else:
+        out = bytearray()
+        _encode(key, out)
+        encoded = EncodedKey(_digest(bytes(out)), _label(key))
+    if cacheable:
+        if len(_recent) >= _RECENT_SIZE:
+            _recent.clear()  # cheaper than tracking the least recent, and as bounded
+        _recent[key] = encoded
+    return encoded

@@ -365,14 +365,14 @@ def _decide_for_view(
     if siblings is None:
         # Asked outside the view's own throttles (or the view has none): this one alone.
         with _pinned_time(throttle):
-            return list(limiter.limit_many(plan))
+            return _limit_all(plan)
     cache: dict[Signature, tuple[object, list[Status]]] = request.__dict__.setdefault("_tokenbucket_throttles", {})
     plans = [(own, throttle.key, plan)]
     for sibling, signature in siblings:
         plans.append((signature, sibling.key, sibling.limit_requests(request, view, signature[1])))
     flat = [limit for _, _, limits in plans for limit in limits]
     with _pinned_time(throttle):
-        results = list(limiter.limit_many(flat)) if flat else []
+        results = _limit_all(flat) if flat else []
     position = 0
     for signature, key, limits in plans:
         cache[signature] = (key, results[position : position + len(limits)])
@@ -381,6 +381,15 @@ def _decide_for_view(
     django_request = getattr(request, "_request", request)
     setattr(django_request, "_tokenbucket_throttle_statuses", results)  # noqa: B010
     return cache[own][1]
+
+
+def _limit_all(limits: list[LimitRequest]) -> list[Status]:
+    """``limit_many(limits)`` as a list. One limit, the usual throttle, goes through
+    ``limit()``, which decides it without the plan for several (issue 19)."""
+    if len(limits) == 1:
+        (only,) = limits
+        return [limiter.limit(only.name, only.key, only.count, only.reserve, config=only.config)]  # type: ignore[arg-type]
+    return list(limiter.limit_many(limits))
 
 
 @lru_cache(maxsize=1024)

@@ -329,3 +329,30 @@ def test_a_new_secret_forgets_the_recent_keys(settings):
     before = encode_key("bob").digest
     settings.TOKENBUCKET = {**settings.TOKENBUCKET, "KEY_SECRET": "another"}
     assert encode_key("bob").digest != before
+
+
+@pytest.mark.parametrize(
+    "remembered, asked",
+    [(("user", 1), ("user", True)), (("user", 1), ("user", 1.0)), (("ip", "1"), ("ip", b"1"))],
+    ids=repr,
+)
+def test_a_remembered_pair_is_never_given_for_an_equal_pair_of_other_types(remembered, asked):
+    """Pairs such as ("user", 42) are remembered by equality, and ("user", True) equals
+    ("user", 1): it must still be refused, and ("ip", b"1") must keep a bucket of its own."""
+    encode_key(remembered)
+    assert encode_key(remembered) == encode_key(remembered)
+    if asked[1] == remembered[1]:
+        with pytest.raises(TypeError):
+            encode_key(asked)
+    else:
+        assert encode_key(asked).digest != encode_key(remembered).digest
+
+
+def test_remembered_pairs_encode_as_fresh_ones(settings):
+    pairs = [("user", 42), ("ip", "192.0.2.1"), ("user", "42"), ("username", "é" * 300)]
+    first = [encode_key(pair) for pair in pairs]
+    assert [encode_key(pair) for pair in pairs] == first  # from the recent keys
+    settings.TOKENBUCKET = {**settings.TOKENBUCKET, "KEY_SECRET": "another"}
+    settings.TOKENBUCKET = {**settings.TOKENBUCKET, "KEY_SECRET": None}
+    assert [encode_key(pair) for pair in pairs] == first  # computed again
+    assert len({encoded.digest for encoded in first}) == len(pairs)

@@ -35,6 +35,7 @@ from django_tokenbucket.backends.base import Request
 from django_tokenbucket.backends.database import DatabaseBackend
 from django_tokenbucket.backends.postgresql import (
     _PRODUCT_BOUND,
+    ADMIT_STATEMENT_MARK,
     FUNCTION_NAME,
     FUNCTIONS_SQL,
     READ_STATEMENT_MARK,
@@ -181,17 +182,19 @@ def decisions_sent(queries) -> list[str]:
 
 def test_a_decision_is_one_statement(backend):
     with frozen_clock(T0), CaptureQueriesContext(connection) as queries:
-        assert limiter.limit("ten_per_minute", "one").ok
+        assert limiter.limit("ten_per_minute", "one").value == 9
+        assert limiter.limit("ten_per_minute", "one").value == 8
+        assert limiter.limit("ten_per_minute", "new").value == 9
         assert limiter.check("ten_per_minute", "one").ok
         limiter.limit_many(
             [LimitRequest("ten_per_minute", "one"), LimitRequest("inline", "one", config={"rate": 1, "period": 1})]
         )
     sent = decisions_sent(queries)
-    # A check writes nothing whatever it finds: it reads the row, a plain SELECT.
-    assert [SINGLE_STATEMENT_MARK in sql for sql in sent] == [True, False, False]
-    assert READ_STATEMENT_MARK in sent[1]
-    assert FUNCTION_NAME in sent[2]
-    assert len(queries) - len(sent) <= 2
+    # The function until the connection is known to reach PostgreSQL itself, then the
+    # admission statement, for a stored key and a new one alike. A check writes nothing
+    # whatever it finds: it reads the row, a plain SELECT.
+    assert [path_of(sql) for sql in sent] == ["single", "admit", "admit", "read", "general"]
+    assert len(queries) - len(sent) <= 3
 
 
 def test_denials_and_checks_write_no_row_version(backend):
@@ -224,17 +227,24 @@ def test_a_denial_and_a_check_take_no_transaction_id_and_lock_no_row(backend, re
         assert outcome is not None
         return outcome.decisions[0].allowed
 
+    def xmax() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT xmax::text FROM django_tokenbucket_ratelimit WHERE name = 'xid'")
+            return cursor.fetchone()[0]
+
     assert all(decide(apply=True) for _ in range(10))
-    assert not any(decide(apply=True) for _ in range(7))  # sent, then prepared: alike
+    # (An admission by the upsert leaves its own transaction in xmax, as a lock.)
+    admitted = xmax()
+    # The admission statement finds the call denied and hands it to the function; the
+    # function is sent, then prepared: alike.
+    assert not any(decide(apply=True) for _ in range(7))
     for apply in (True, False):  # a denial, and a check
         with transaction.atomic():
             assert not decide(apply)
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_current_xact_id_if_assigned()")
                 assert cursor.fetchone()[0] is None
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT xmax::text FROM django_tokenbucket_ratelimit WHERE name = 'xid'")
-        assert cursor.fetchone()[0] == "0"
+    assert xmax() == admitted
 
 
 def paths_taken(trace) -> list[str]:
@@ -279,15 +289,22 @@ def test_a_statement_the_session_lost_is_sent_and_prepared_again(backend):
     """DISCARD ALL or DEALLOCATE (a pooler's reset query, say) drops the prepared statement:
     the next decision sends it as it is, and the one after prepares it again."""
     with frozen_clock(T0):
-        for expected in (9, 8):  # sent, then prepared
+        for expected in (9, 8):  # sent, then the admission statement prepared
             assert limiter.limit("ten_per_minute", "lost").value == expected
         with connection.cursor() as cursor:
             cursor.execute("DEALLOCATE ALL")
         with CaptureQueriesContext(connection) as queries:
-            for expected in (7, 6, 5):
+            for expected in (7, 6, 5, 4):
                 assert limiter.limit("ten_per_minute", "lost").value == expected
-    kinds = [q["sql"].split(" ", 1)[0] for q in queries]
-    assert kinds == ["EXECUTE", "SELECT", "PREPARE", "EXECUTE", "EXECUTE"]
+    kinds = [(q["sql"].split(" ", 1)[0], path_of(q["sql"])) for q in queries]
+    assert kinds == [
+        ("EXECUTE", "admit"),  # lost: sent as it is, and the session is learned again
+        ("/*", "admit"),
+        ("PREPARE", "admit"),
+        ("EXECUTE", "admit"),
+        ("EXECUTE", "admit"),
+        ("EXECUTE", "admit"),
+    ]
 
 
 def test_a_denied_fresh_key_creates_no_row(backend):
@@ -446,15 +463,23 @@ def test_async_commit_skips_the_wal_flush_on_the_read_first_path(async_commit, m
 
 
 def path_of(sql: str) -> str:
-    for mark, path in ((SINGLE_STATEMENT_MARK, "single"), (READ_STATEMENT_MARK, "read"), (FUNCTION_NAME, "general")):
+    marks = (
+        (SINGLE_STATEMENT_MARK, "single"),
+        (ADMIT_STATEMENT_MARK, "admit"),
+        (READ_STATEMENT_MARK, "read"),
+        (FUNCTION_NAME, "general"),
+    )
+    for mark, path in marks:
         if mark in sql:
             return path
     return sql.split(" ", 1)[0]
 
 
 def test_a_key_seen_denied_is_read_first_until_it_admits_with_room(backend):
-    """The path follows what this process saw: the function while a key admits, a read
-    once it is short of a call, until an admission leaves room for the next."""
+    """The path follows what this process saw: the admission statement while a key
+    admits (the function first, until the connection is known to reach PostgreSQL and
+    prepare), a read once it is short of a call, until an admission leaves room for the
+    next."""
     with frozen_clock(T0), CaptureQueriesContext(connection) as queries:
         allowed = [limiter.limit("ten_per_minute", "seen").ok for _ in range(12)]
         limiter.reset("ten_per_minute", "seen")
@@ -462,7 +487,7 @@ def test_a_key_seen_denied_is_read_first_until_it_admits_with_room(backend):
     assert allowed == [True] * 10 + [False, False, True, True]
     paths = [path_of(sql) for sql in decisions_sent(queries)]
     paths = [path for path in paths if path not in ("BEGIN", "COMMIT")]  # around reset's DELETE
-    assert paths == ["single"] * 10 + ["read", "read", "DELETE", "read", "INSERT", "single"]
+    assert paths == ["single"] + ["admit"] * 9 + ["read", "read", "DELETE", "read", "INSERT", "admit"]
 
 
 def test_a_compare_and_set_that_loses_a_race_hands_over_and_stays_exact(backend):
@@ -519,6 +544,55 @@ def test_a_compare_and_set_that_loses_a_race_hands_over_and_stays_exact(backend)
     assert first is None
     assert paths == ["read", "UPDATE", "general"]
     assert not then.decisions[0].allowed and then.decisions[0].value == 0
+    assert RateLimit.objects.get(name="ten_per_minute").value == 0
+
+
+def test_an_admission_that_loses_the_row_lock_to_another_hands_over_and_stays_exact(backend):
+    """The admission statement read one token left; another decision takes it and commits
+    while this one waits for the row lock: the conflict's update decides again on the
+    latest row, writes nothing, and the function denies."""
+    with frozen_clock(T0):
+        for _ in range(9):
+            assert limiter.limit("ten_per_minute", "race").ok
+    request = Request(limiter.resolve("ten_per_minute"), encode_key("race"), MICRO)
+    other = connections.create_connection("default")
+    other.set_autocommit(False)
+    try:
+        with other.cursor() as cursor:  # the other decision: the last token, not yet committed
+            cursor.execute(
+                "UPDATE django_tokenbucket_ratelimit SET value = value - %s WHERE name = 'ten_per_minute'", [MICRO]
+            )
+        result: list[object] = []
+
+        def decide() -> None:
+            try:
+                with frozen_clock(T0):  # learn that this connection prepares
+                    limiter.check("ten_per_minute", "another key")
+                with CaptureQueriesContext(connections["default"]) as queries:
+                    outcome = decide_one(
+                        connections["default"], request, apply=True, pinned_now=parity.T0_US, async_commit=False
+                    )
+                result.extend([outcome, [path_of(sql) for sql in decisions_sent(queries)]])
+            except BaseException as exc:  # handed to the test
+                result.append(exc)
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=decide)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not waiting_for_a_lock() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waiting_for_a_lock()
+        other.commit()
+        thread.join(30)
+    finally:
+        other.close()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    outcome, paths = result
+    assert paths == ["admit", "single"]
+    assert not outcome.decisions[0].allowed and outcome.decisions[0].value == 0
     assert RateLimit.objects.get(name="ten_per_minute").value == 0
 
 
@@ -686,15 +760,48 @@ def test_code_meeting_an_older_schema_takes_the_portable_path(backend, caplog):
     schema a version behind looks the same to it): decisions stay right, on the portable
     path, and a prepared statement of an earlier call does not outlive its function."""
     with frozen_clock(T0):
-        for _ in range(3):  # sent, then prepared
-            assert limiter.limit("ten_per_minute", "before").ok
+        assert limiter.limit("ten_per_minute", "before").ok  # the function, sent
+        assert limiter.limit("ten_per_minute", "before").ok  # the admission statement, prepared
+        # The admission statement finds it denied: the function decides, prepared.
+        assert not limiter.limit("ten_per_minute", "before", count=10).ok
     call_command("migrate", "django_tokenbucket", "0003", verbosity=0)
     try:
         with frozen_clock(T0), caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
             with CaptureQueriesContext(connection) as queries:
-                for expected in (9, 8, 7):
+                # The admission statement needs the table only; the denial, the function.
+                assert limiter.limit("ten_per_minute", "older").value == 9
+                assert not limiter.limit("ten_per_minute", "older", count=10).ok
+                for expected in (8, 7):
                     assert limiter.limit("ten_per_minute", "older").value == expected
         assert "FOR UPDATE" in " ".join(q["sql"] for q in queries)
         assert len([r for r in caplog.records if FUNCTION_NAME in r.getMessage()]) == 1
     finally:
         call_command("migrate", "django_tokenbucket", verbosity=0)
+
+
+def test_without_observers_the_fast_path_skips_djangos_cursor_and_with_them_they_see_it(backend, monkeypatch):
+    """Django's cursor wrapper costs a decision as much as the server's work beyond SELECT 1,
+    so the fast path runs its statements on a driver cursor of its own, unless something
+    observes the connection's queries: an execute_wrapper (APM agents, debug toolbars)
+    then sees every statement, a decision's outcome unchanged."""
+    wrapped = connections["default"]
+    created: list[object] = []
+    original = wrapped.create_cursor
+    monkeypatch.setattr(wrapped, "create_cursor", lambda name=None: created.append(name) or original(name))
+    with frozen_clock(T0):
+        assert limiter.limit("ten_per_minute", "quiet").value == 9  # connects, learns
+        created.clear()
+        assert [limiter.limit("ten_per_minute", "quiet").value for _ in range(3)] == [8, 7, 6]
+        assert limiter.check("ten_per_minute", "quiet").value == 5  # what limit() would leave
+        assert created == []
+        seen: list[str] = []
+
+        def observe(execute, sql, params, many, context):
+            seen.append(path_of(sql))
+            return execute(sql, params, many, context)
+
+        with connection.execute_wrapper(observe):
+            assert [limiter.limit("ten_per_minute", "quiet").value for _ in range(2)] == [5, 4]
+            assert limiter.check("ten_per_minute", "quiet").value == 3
+    assert seen == ["admit", "admit", "read"]
+    assert len(created) == 3

@@ -156,7 +156,7 @@ def test_the_fast_path_finds_the_pooler_and_sends_its_statement_unprepared(pgbou
                 values.append(in_another_thread(lambda: limiter.limit("bounced", "k", config=CONFIG).value))
             values.append(limiter.limit("bounced", "k", config=CONFIG).value)  # seen denied: read first
         assert values == [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0, 0, 0]
-        assert postgresql._prepared[connections[ALIAS].connection] is None
+        assert postgresql.prepares_on(connections[ALIAS]) is False
         sent = [q["sql"] for q in queries]
         assert not any(sql.startswith(("PREPARE", "EXECUTE")) for sql in sent)
         # The single statement while tokens last, a read for the key this process saw denied.

@@ -9,6 +9,9 @@ reads the row, decides with the database clock, and writes only when something c
   bigint, whose text is the same for every call, with bound parameters. Where the
   connection reaches PostgreSQL itself (not a pooler such as PgBouncer: the backend's
   ``PREPARE`` option) the call is a prepared statement.
+* A token-bucket admission on a connection that prepares (``_Admit``): one plain
+  upsert whose conflict update decides again on the locked row, cheaper for the server
+  than the PL/pgSQL call; what it does not admit, the function decides.
 * One limit, one key that is likely denied (``RecentDenials``), or a check: a plain
   read of the row and the clock in one statement, decided in Python (``LimitConfig.decide``).
   A denial or a check ends there, one indexed SELECT (a PL/pgSQL call costs about
@@ -26,17 +29,17 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
 from django.db import DatabaseError
 
-from ..algorithms import CLOCK_SKEW_TOLERANCE, Decision, State, lowest_value
+from ..algorithms import CLOCK_SKEW_TOLERANCE, Decision, State, lowest_value, token_bucket_taken
 from .base import Outcome, Request, RowId, row_id
 
 __all__ = [
+    "ADMIT_STATEMENT_MARK",
     "FUNCTIONS_SQL",
     "FUNCTION_NAME",
     "FUNCTION_VERSION",
@@ -50,6 +53,7 @@ __all__ = [
     "drop_sql",
     "functions_sql",
     "is_postgresql",
+    "prepares_on",
 ]
 
 #: The version of the SQL this code calls (migration 0004 installs it). A change of
@@ -66,6 +70,8 @@ _SINGLE_NAME = f"{_PREFIX}single_v{FUNCTION_VERSION}"
 SINGLE_STATEMENT_MARK = _SINGLE_NAME
 #: In the text of every read-first statement, prepared or not (for tests and logs).
 READ_STATEMENT_MARK = f"{_PREFIX}read_v{FUNCTION_VERSION}"
+#: In the text of every admission statement, prepared or not (for tests and logs).
+ADMIT_STATEMENT_MARK = f"{_PREFIX}admit_v{FUNCTION_VERSION}"
 
 #: SQLSTATE of a call to a function that does not exist (the migration not applied).
 UNDEFINED_FUNCTION = "42883"
@@ -167,6 +173,80 @@ class _Read:
     execute = f"EXECUTE {name} (%(pinned)s, %(name)s, %(key)s)"
 
 
+#: Times the statements below decide (±2^61 µs, as django_tokenbucket_single_v3).
+_TIME_BOUND = 2**61
+
+
+def _bucket_now(value: str, ts: str, at: str, value_or_ts: str) -> str:
+    """SQL for a token bucket's value (or its date) at ``at``, refilled from the stored
+    (``value``, ``ts``), as algorithms.token_bucket computes it; the value is NULL where
+    the statement's bounds do not hold (a clock behind the stored time included)."""
+    full = f"{at} - {ts} >= (({{capacity}} - LEAST({value}, {{capacity}})) * {{period}} + {{rate}} - 1) / {{rate}}"
+    if value_or_ts == "ts":
+        return f"CASE WHEN {full} THEN {at} ELSE {at} - mod({{rate}} * ({at} - {ts}), {{period}}) / {{rate}} END"
+    return (
+        f"CASE WHEN {at} < {ts} OR {ts} < -{_TIME_BOUND} OR {value} < {{exact_from}} THEN NULL "
+        f"WHEN {full} THEN {{capacity}} ELSE LEAST({value}, {{capacity}}) + {{rate}} * ({at} - {ts}) / {{period}} END"
+    )
+
+
+class _Admit:
+    """The admission statement: one token-bucket admission as a plain upsert, for
+    connections that prepare (planned per call, it costs more than the function).
+
+    It reads the row and the clock, and inserts (a new key) or updates the row only if
+    the call is allowed: the conflict's update decides again on the row it locked, the
+    latest. It returns the stored state and the time it decided at, from which
+    ``algorithms.token_bucket_taken`` makes the decision; no row back means nothing was
+    written, and the function decides (a denial, a row beyond the bounds, a race lost).
+    A denial locks nothing: the read gates the insert, and only an allowed call reaches
+    the row lock. (A PL/pgSQL call costs the server ~30 µs more than this statement:
+    the function sets up its expressions in every transaction; issue 19.)
+
+    Deciding at a clock read before the row lock is exact: the update requires the time
+    to be no earlier than the stored one, and a bucket only gains with time, so a
+    decision that waited for the lock decides on less refill, never on more.
+    """
+
+    name = ADMIT_STATEMENT_MARK
+    parameters = (
+        ("name", "text"),
+        ("key", "text"),
+        ("label", "text"),
+        ("rate", "bigint"),
+        ("period", "bigint"),
+        ("capacity", "bigint"),
+        ("count", "bigint"),
+        ("lowest", "bigint"),
+        ("exact_from", "bigint"),
+        ("pinned", "bigint"),
+    )
+    _body = (
+        "WITH c AS (SELECT COALESCE({pinned}, (EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::bigint) AS at) "
+        "INSERT INTO django_tokenbucket_ratelimit AS r (name, key, label, value, ts) "
+        "SELECT {name}, {key}, {label}, {capacity} - {count}, c.at FROM c LEFT JOIN LATERAL ("
+        "SELECT value, ts FROM django_tokenbucket_ratelimit WHERE name = {name} AND key >= {key} AND key <= {key} "
+        "ORDER BY key LIMIT 1) AS s ON true "
+        f"WHERE CASE WHEN s.ts IS NULL THEN {{capacity}} ELSE {_bucket_now('s.value', 's.ts', 'c.at', 'value')} END "
+        "- {count} >= {lowest}{async_commit} "
+        "ON CONFLICT (name, key) DO UPDATE "
+        f"SET value = {_bucket_now('r.value', 'r.ts', 'excluded.ts', 'value')} - {{count}}, "
+        f"ts = {_bucket_now('r.value', 'r.ts', 'excluded.ts', 'ts')} "
+        f"WHERE {_bucket_now('r.value', 'r.ts', 'excluded.ts', 'value')} - {{count}} >= {{lowest}}{{async_commit}} "
+        "RETURNING r.value, r.ts, (SELECT at FROM c), pg_backend_pid()"
+    )
+
+    def __init__(self, async_commit: bool) -> None:
+        if async_commit:
+            self.name += "_async"
+        body = self._body.replace("{async_commit}", _ASYNC if async_commit else "")
+        self.text = f"/* {self.name} */ " + body.format(**{n: f"%({n})s::{t}" for n, t in self.parameters})
+        self.prepare = f"PREPARE {self.name} ({', '.join(t for _, t in self.parameters)}) AS " + body.format(
+            **{n: f"${i}" for i, (n, _) in enumerate(self.parameters, start=1)}
+        )
+        self.execute = f"EXECUTE {self.name} ({', '.join(f'%({n})s' for n, _ in self.parameters)})"
+
+
 #: The compare-and-set writes of the read-first path: they match nothing if another
 #: decision changed (or made) the row since it was read. With ASYNC_COMMIT the
 #: transaction-local setting rides in the statement itself (an autocommit statement is
@@ -180,11 +260,36 @@ _INSERT = (
     "INSERT INTO django_tokenbucket_ratelimit (name, key, label, value, ts) SELECT %s, %s, %s, %s, %s "
     "WHERE true{} ON CONFLICT (name, key) DO NOTHING"
 )
+#: The admission statement, with and without ASYNC_COMMIT.
+_ADMIT = {async_commit: _Admit(async_commit) for async_commit in (False, True)}
 
 
-#: Per driver connection: the names of the statements it has prepared, or None where it
-#: must not prepare (a pooler stands between it and PostgreSQL). Absent: not known yet.
-_prepared: weakref.WeakKeyDictionary[Any, set[str] | None] = weakref.WeakKeyDictionary()
+class _Session:
+    """What the fast path keeps for one driver connection: a cursor of its own, and the
+    names of the statements prepared on it (None where it must not prepare: a pooler
+    stands between it and PostgreSQL; ``unknown`` until its first statement tells)."""
+
+    __slots__ = ("cursor", "prepared", "raw", "unknown")
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.cursor = raw.cursor()
+        self.prepared: set[str] | None = None
+        self.unknown = True
+
+
+#: The attribute of a Django connection (thread-local already) that holds the _Session
+#: of its current driver connection: it lives and goes with the connection.
+_SESSION = "_django_tokenbucket_session"
+
+
+def prepares_on(connection: Any) -> bool | None:
+    """Whether the fast path prepares its statements on ``connection``'s current driver
+    connection: None until its first fast-path statement has run there."""
+    session = getattr(connection, _SESSION, None)
+    if session is None or session.raw is not connection.connection or session.unknown:
+        return None
+    return session.prepared is not None
 
 
 def _reaches_postgresql(raw: Any, server_pid: int) -> bool:
@@ -200,32 +305,73 @@ def _reaches_postgresql(raw: Any, server_pid: int) -> bool:
     return info is not None and getattr(info, "backend_pid", None) == server_pid
 
 
+def _driver_cursor(connection: Any) -> tuple[Any, _Session]:
+    """Return the cursor to run a fast-path statement with, and the connection's session.
+
+    Where anything observes the connection's queries (DEBUG, CaptureQueriesContext,
+    ``execute_wrapper``: debug toolbars, APM agents, assertNumQueries), a Django cursor,
+    so that they see every statement. Otherwise the session's own driver cursor, as
+    Django's cursor would prepare it but without its wrapper, which costs a decision
+    as much as the database's work beyond ``SELECT 1`` (issue 19). The caller runs it
+    inside ``connection.wrap_database_errors``, as Django's cursor does.
+    """
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    raw = connection.connection
+    session = getattr(connection, _SESSION, None)
+    if session is None or session.raw is not raw:
+        with connection.wrap_database_errors:
+            session = _Session(raw)
+        setattr(connection, _SESSION, session)
+    if connection.queries_logged or connection.execute_wrappers:
+        return connection.cursor(), session
+    connection.validate_thread_sharing()
+    return session.cursor, session
+
+
 def _fetch(connection: Any, statement: Any, values: Any, prepare: str | bool, pid_column: int) -> Any:
     """Run ``statement`` (prepared where the connection may prepare) and return its row;
     learn from its ``pid_column`` whether the connection reaches PostgreSQL itself."""
-    with connection.cursor() as cursor:
-        raw = connection.connection
-        prepared = _prepared.get(raw) if prepare is not False else None
-        if prepared is not None:
-            try:
-                if statement.name not in prepared:
-                    cursor.execute(statement.prepare)
-                    prepared.add(statement.name)
-                cursor.execute(statement.execute, values)
-                return cursor.fetchone()
-            except DatabaseError as exc:
-                # The session lost it (DISCARD ALL, DEALLOCATE): learn again, meanwhile
-                # send the statement itself. Nothing ran: the EXECUTE failed before.
-                cause = exc.__cause__
-                if (getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)) != _NO_SUCH_STATEMENT:
-                    raise
-                del _prepared[raw]
-        cursor.execute(statement.text, values)
-        row = cursor.fetchone()
-        if prepare is not False and raw not in _prepared:
-            direct = prepare is True or _reaches_postgresql(raw, row[pid_column])
-            _prepared[raw] = set() if direct else None
-        return row
+    cursor, session = _driver_cursor(connection)
+    try:
+        with connection.wrap_database_errors:
+            prepared = session.prepared if prepare is not False else None
+            if prepared is not None:
+                try:
+                    if statement.name not in prepared:
+                        cursor.execute(statement.prepare)
+                        prepared.add(statement.name)
+                    cursor.execute(statement.execute, values)
+                    return cursor.fetchone()
+                except Exception as exc:
+                    # The session lost it (DISCARD ALL, DEALLOCATE): learn again, meanwhile
+                    # send the statement itself. Nothing ran: the EXECUTE failed before.
+                    # (A Django cursor's error is Django's, the driver's its cause.)
+                    cause = exc.__cause__ if isinstance(exc, DatabaseError) else exc
+                    if (getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)) != _NO_SUCH_STATEMENT:
+                        raise
+                    session.prepared, session.unknown = None, True
+            cursor.execute(statement.text, values)
+            row = cursor.fetchone()
+    finally:
+        if cursor is not session.cursor:
+            cursor.close()
+    if prepare is not False and session.unknown and row is not None:
+        direct = prepare is True or _reaches_postgresql(session.raw, row[pid_column])
+        session.prepared, session.unknown = (set() if direct else None), False
+    return row
+
+
+def _write(connection: Any, sql: str, values: Sequence[Any]) -> int:
+    """Run one write of the read-first path and return how many rows it changed."""
+    cursor, session = _driver_cursor(connection)
+    try:
+        with connection.wrap_database_errors:
+            cursor.execute(sql, values)
+            return int(cursor.rowcount)
+    finally:
+        if cursor is not session.cursor:
+            cursor.close()
 
 
 def decide_one(
@@ -241,8 +387,10 @@ def decide_one(
     """Decide one request with one statement, or return None for the general function.
 
     With ``read_first`` (a denial is likely), and for every check (``apply`` false),
-    the decision reads the row and decides in Python (``_read_first``). Otherwise it is
-    one call of the single-decision function. Both are exact whichever is taken.
+    the decision reads the row and decides in Python (``_read_first``). Otherwise a
+    token bucket on a connection known to prepare tries the admission statement
+    (``_Admit``), and what that does not admit is one call of the single-decision
+    function. All are exact whichever is taken.
 
     None comes back, having written nothing, when the config or the stored state is
     beyond the statement's exact bounds, or when another decision changed the row
@@ -262,6 +410,35 @@ def decide_one(
         return None
     algorithm = config.algorithm
     digest = request.key.digest
+    lowest = lowest_value(request.reserve, config.max_reserved)
+    if (
+        algorithm.code == "t"
+        and prepare is not False
+        and prepares_on(connection)
+        and (pinned_now is None or 0 <= pinned_now <= _TIME_BOUND)
+    ):
+        admitted = _fetch(
+            connection,
+            _ADMIT[async_commit],
+            {
+                "name": config.name,
+                "key": digest,
+                "label": request.key.label,
+                "rate": rate,
+                "period": period,
+                "capacity": config.capacity,
+                "count": count,
+                "lowest": -(2**63) if lowest is None else lowest,
+                "exact_from": config.capacity - slack,
+                "pinned": pinned_now,
+            },
+            prepare,
+            3,
+        )
+        if admitted is not None:
+            taken, now = State(admitted[0], admitted[1]), admitted[2]
+            decision = token_bucket_taken(taken, now, rate=rate, period=period, capacity=config.capacity)
+            return Outcome([decision], now)
     values = (
         config.name,
         digest,
@@ -270,7 +447,7 @@ def decide_one(
         rate,
         period,
         config.capacity,
-        lowest_value(request.reserve, config.max_reserved),
+        lowest,
         count,
         config.window_offset(digest) if algorithm.phased else 0,
         pinned_now,
@@ -306,19 +483,20 @@ def _read_first(
     decision = config.decide(state, now, request.count, digest, request.reserve)
     new = decision.state if apply else None
     if new is not None and new != state:
-        with connection.cursor() as cursor:
-            if state is None:
-                cursor.execute(
-                    _INSERT.format(_ASYNC if async_commit else ""),
-                    [config.name, digest, request.key.label, new.value, new.ts],
-                )
-            else:
-                cursor.execute(
-                    _UPDATE + _ASYNC if async_commit else _UPDATE,
-                    [new.value, new.ts, config.name, digest, state.value, state.ts],
-                )
-            if cursor.rowcount != 1:
-                return None
+        if state is None:
+            written = _write(
+                connection,
+                _INSERT.format(_ASYNC if async_commit else ""),
+                [config.name, digest, request.key.label, new.value, new.ts],
+            )
+        else:
+            written = _write(
+                connection,
+                _UPDATE + _ASYNC if async_commit else _UPDATE,
+                [new.value, new.ts, config.name, digest, state.value, state.ts],
+            )
+        if written != 1:
+            return None
     return Outcome([decision], now)
 
 
