@@ -239,11 +239,14 @@ def tb_states(limit: Limit, now: int, lowest: int | None = 0, above: bool = Fals
     """A stored token-bucket state at or before ``now`` (``above``: a value over capacity, B11)."""
     low = -3 * limit.capacity if lowest is None else lowest
     high = 2 * limit.capacity if above else limit.capacity
-    back = 2 * limit.time_for(limit.capacity)
+    # Not before the epoch, as no store's clock is: a fresh bucket is full since time 0,
+    # so a bucket idle since earlier would not read as fresh (found with a refill of
+    # one micro-token an hour, whose full refill reaches back before 1970).
+    earliest = max(0, now - 2 * limit.time_for(limit.capacity))
     return st.builds(
         State,
         st.one_of(st.integers(low, high), st.just(0), st.just(limit.capacity)),
-        st.one_of(st.just(now), st.integers(now - back, now), st.integers(now - 3, now)),
+        st.one_of(st.just(now), st.integers(earliest, now), st.integers(max(0, now - 3), now)),
     )
 
 
