@@ -144,26 +144,35 @@ def _forget_secret(*, setting: str, **kwargs: Any) -> None:
         _recent.clear()
 
 
+def _cacheable_pair(key: tuple[object, ...]) -> bool:
+    """Whether ``key`` is a short (str, str or int) pair, by exact types."""
+    if len(key) != 2:
+        return False
+    kind, value = key
+    return (
+        type(kind) is str
+        and len(kind) <= _RECENT_KEY_LENGTH
+        and (type(value) is int or (type(value) is str and len(value) <= _RECENT_KEY_LENGTH))
+    )
+
+
 def encode_key(key: object) -> EncodedKey:
     """Return the digest stored for ``key`` and a short printable label of it."""
     kind = type(key)
     # The usual keys, a str or a pair such as ("user", 42) or ("ip", "192.0.2.1"), are
     # remembered. Types are compared exactly: ("user", True) equals ("user", 1) but must
     # be refused, and is never stored here to be found for it.
-    cacheable = (kind is str and len(key) <= _RECENT_KEY_LENGTH) or (  # type: ignore[arg-type]
-        kind is tuple
-        and len(key) == 2  # type: ignore[arg-type]
-        and type(key[0]) is str  # type: ignore[index]
-        and len(key[0]) <= _RECENT_KEY_LENGTH  # type: ignore[index]
-        and (type(key[1]) is int or (type(key[1]) is str and len(key[1]) <= _RECENT_KEY_LENGTH))  # type: ignore[index]
-    )
+    if isinstance(key, str):
+        cacheable = kind is str and len(key) <= _RECENT_KEY_LENGTH
+    else:
+        cacheable = isinstance(key, tuple) and kind is tuple and _cacheable_pair(key)
     if cacheable:
         encoded = _recent.get(key)
         if encoded is not None:
             return encoded
-    if kind is str:
+    if isinstance(key, str):
         # Encoded exactly as _encode does, without its type dispatch.
-        data = key.encode("utf-8", "surrogatepass")  # type: ignore[attr-defined]
+        data = key.encode("utf-8", "surrogatepass")
         encoded = EncodedKey(_digest(b"s%d:%s" % (len(data), data)), _label(key))
     else:
         out = bytearray()
