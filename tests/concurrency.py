@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import statistics
+import threading
 import time
 import traceback
 import warnings
@@ -26,6 +27,31 @@ from typing import Any
 from django.db import connections
 
 from django_tokenbucket.backends import get_backend
+
+
+def in_another_thread(call: Callable[[], Any], meanwhile: Callable[[], None] = lambda: None) -> Any:
+    """Run ``call`` on a thread of its own (so on database connections of its own), run
+    ``meanwhile`` here, and return ``call``'s result, or raise what it raised."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:  # handed to the caller
+            result.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        meanwhile()
+    finally:
+        thread.join(30)
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
 
 #: Figures of every concurrency run in this session, for the terminal summary.
 FIGURES: list[dict[str, Any]] = []

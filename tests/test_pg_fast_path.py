@@ -49,6 +49,7 @@ from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
 
 from . import parity
+from .concurrency import in_another_thread
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
 pytestmark = [pytest.mark.only_on("postgres"), pytest.mark.django_db(transaction=True)]
@@ -490,57 +491,58 @@ def test_a_key_seen_denied_is_read_first_until_it_admits_with_room(backend):
     assert paths == ["single"] + ["admit"] * 9 + ["read", "read", "DELETE", "read", "INSERT", "admit"]
 
 
-def test_a_compare_and_set_that_loses_a_race_hands_over_and_stays_exact(backend):
-    """Another decision commits between this one's read and its write: the write matches
-    nothing, and the general function decides again under the row lock."""
-    with frozen_clock(T0):
-        for _ in range(9):
-            assert limiter.limit("ten_per_minute", "race").ok
-    request = Request(limiter.resolve("ten_per_minute"), encode_key("race"), MICRO)
+def while_another_takes_the_last_token(decide: Callable[[], object]) -> object:
+    """Return what ``decide`` returns, run on a connection of its own while another holds
+    an uncommitted decision taking the last token of ``ten_per_minute``, committed once
+    ``decide`` waits for that row's lock."""
     other = connections.create_connection("default")
     other.set_autocommit(False)
-    try:
-        with other.cursor() as cursor:  # the other decision: the last token, not yet committed
-            cursor.execute(
-                "UPDATE django_tokenbucket_ratelimit SET value = value - %s WHERE name = 'ten_per_minute'", [MICRO]
-            )
-        result: list[object] = []
 
-        def decide() -> None:
-            try:
-                with CaptureQueriesContext(connections["default"]) as queries:
-                    first = decide_one(
-                        connections["default"],
-                        request,
-                        apply=True,
-                        pinned_now=parity.T0_US,
-                        async_commit=False,
-                        read_first=True,
-                    )
-                    with connections["default"].cursor() as cursor:
-                        then = decide_in_server(
-                            cursor, [request], apply=True, pinned_now=parity.T0_US, async_commit=False
-                        )
-                result.extend([first, then, [path_of(q["sql"]) for q in queries]])
-            except BaseException as exc:  # handed to the test
-                result.append(exc)
-            finally:
-                connections.close_all()
-
-        thread = threading.Thread(target=decide)
-        thread.start()
-        # The read saw one token and admitted; its write waits for the other's row lock.
+    def commit_once_it_waits() -> None:
         deadline = time.monotonic() + 10
         while not waiting_for_a_lock() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert waiting_for_a_lock()
         other.commit()
-        thread.join(30)
+
+    try:
+        with other.cursor() as cursor:
+            cursor.execute(
+                "UPDATE django_tokenbucket_ratelimit SET value = value - %s WHERE name = 'ten_per_minute'", [MICRO]
+            )
+        return in_another_thread(decide, meanwhile=commit_once_it_waits)
     finally:
         other.close()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    first, then, paths = result
+
+
+def one_token_left() -> Request:
+    with frozen_clock(T0):
+        for _ in range(9):
+            assert limiter.limit("ten_per_minute", "race").ok
+    return Request(limiter.resolve("ten_per_minute"), encode_key("race"), MICRO)
+
+
+def test_a_compare_and_set_that_loses_a_race_hands_over_and_stays_exact(backend):
+    """Another decision commits between this one's read and its write: the write matches
+    nothing, and the general function decides again under the row lock."""
+    request = one_token_left()
+
+    def decide() -> tuple[object, object, list[str]]:
+        with CaptureQueriesContext(connections["default"]) as queries:
+            # The read sees one token and admits; its write waits for the other's row lock.
+            first = decide_one(
+                connections["default"],
+                request,
+                apply=True,
+                pinned_now=parity.T0_US,
+                async_commit=False,
+                read_first=True,
+            )
+            with connections["default"].cursor() as cursor:
+                then = decide_in_server(cursor, [request], apply=True, pinned_now=parity.T0_US, async_commit=False)
+        return first, then, [path_of(q["sql"]) for q in queries]
+
+    first, then, paths = while_another_takes_the_last_token(decide)  # type: ignore[misc]
     assert first is None
     assert paths == ["read", "UPDATE", "general"]
     assert not then.decisions[0].allowed and then.decisions[0].value == 0
@@ -548,49 +550,21 @@ def test_a_compare_and_set_that_loses_a_race_hands_over_and_stays_exact(backend)
 
 
 def test_an_admission_that_loses_the_row_lock_to_another_hands_over_and_stays_exact(backend):
-    """The admission statement read one token left; another decision takes it and commits
+    """The admission statement reads one token left; another decision takes it and commits
     while this one waits for the row lock: the conflict's update decides again on the
     latest row, writes nothing, and the function denies."""
-    with frozen_clock(T0):
-        for _ in range(9):
-            assert limiter.limit("ten_per_minute", "race").ok
-    request = Request(limiter.resolve("ten_per_minute"), encode_key("race"), MICRO)
-    other = connections.create_connection("default")
-    other.set_autocommit(False)
-    try:
-        with other.cursor() as cursor:  # the other decision: the last token, not yet committed
-            cursor.execute(
-                "UPDATE django_tokenbucket_ratelimit SET value = value - %s WHERE name = 'ten_per_minute'", [MICRO]
+    request = one_token_left()
+
+    def decide() -> tuple[object, list[str]]:
+        with frozen_clock(T0):  # learn that this connection prepares
+            limiter.check("ten_per_minute", "another key")
+        with CaptureQueriesContext(connections["default"]) as queries:
+            outcome = decide_one(
+                connections["default"], request, apply=True, pinned_now=parity.T0_US, async_commit=False
             )
-        result: list[object] = []
+        return outcome, [path_of(sql) for sql in decisions_sent(queries)]
 
-        def decide() -> None:
-            try:
-                with frozen_clock(T0):  # learn that this connection prepares
-                    limiter.check("ten_per_minute", "another key")
-                with CaptureQueriesContext(connections["default"]) as queries:
-                    outcome = decide_one(
-                        connections["default"], request, apply=True, pinned_now=parity.T0_US, async_commit=False
-                    )
-                result.extend([outcome, [path_of(sql) for sql in decisions_sent(queries)]])
-            except BaseException as exc:  # handed to the test
-                result.append(exc)
-            finally:
-                connections.close_all()
-
-        thread = threading.Thread(target=decide)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while not waiting_for_a_lock() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert waiting_for_a_lock()
-        other.commit()
-        thread.join(30)
-    finally:
-        other.close()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    outcome, paths = result
+    outcome, paths = while_another_takes_the_last_token(decide)  # type: ignore[misc]
     assert paths == ["admit", "single"]
     assert not outcome.decisions[0].allowed and outcome.decisions[0].value == 0
     assert RateLimit.objects.get(name="ten_per_minute").value == 0

@@ -20,7 +20,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,6 +36,7 @@ from django_tokenbucket.backends import postgresql
 from django_tokenbucket.backends.postgresql import READ_STATEMENT_MARK, SINGLE_STATEMENT_MARK
 from django_tokenbucket.testing import frozen_clock
 
+from .concurrency import in_another_thread
 from .conftest import pgbouncer_binary
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
@@ -123,26 +123,6 @@ def through_pgbouncer(**options: object) -> Iterator[None]:
     with override_settings(TOKENBUCKET={**BASE_SETTINGS, "OPTIONS": {"DATABASE": ALIAS, **options}}):
         with frozen_clock(1_700_000_000.0):
             yield
-
-
-def in_another_thread(call):
-    """Run ``call`` on a thread of its own (so on a connection of its own), and return its result."""
-    result: list[object] = []
-
-    def run() -> None:
-        try:
-            result.append(call())
-        except BaseException as exc:  # handed to the caller
-            result.append(exc)
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(30)
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
 
 
 def test_the_fast_path_finds_the_pooler_and_sends_its_statement_unprepared(pgbouncer):
