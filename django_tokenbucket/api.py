@@ -207,7 +207,7 @@ class Limiter:
 
         ``requests`` are LimitRequest objects or ``(name, key[, count])`` tuples.
         """
-        return self._drive(self._many([self._as_request(r) for r in requests], apply=True, throws=throws))
+        return self._decide_many([self._as_request(r) for r in requests], apply=True, throws=throws)
 
     async def alimit_many(
         self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
@@ -219,7 +219,7 @@ class Limiter:
         self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
     ) -> MultiStatus:
         """Return what ``limit_many()`` would, changing nothing."""
-        return self._drive(self._many([self._as_request(r) for r in requests], apply=False, throws=throws))
+        return self._decide_many([self._as_request(r) for r in requests], apply=False, throws=throws)
 
     async def acheck_many(
         self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
@@ -409,6 +409,24 @@ class Limiter:
         limit = self._resolve_one(name, reserve, config)
         if limit.shards > 1:
             return self._drive(self._one(name, key, count, reserve, config, apply=apply, throws=throws))
+        return self._decide_unsharded(limit, key, count, reserve, apply=apply, throws=throws)
+
+    def _decide_many(self, items: list[LimitRequest], *, apply: bool, throws: bool) -> MultiStatus:
+        """``_drive(_many(...))``; one unsharded limit, what a throttle or a decorator
+        usually asks for, goes as ``_decide_one`` does (``_many`` would decide it alike)."""
+        if len(items) == 1:
+            (item,) = items
+            limit = self._resolve_one(item.name, item.reserve, item.config)
+            if limit.shards == 1:
+                status = self._decide_unsharded(
+                    limit, item.key, item.count, item.reserve, apply=apply, throws=throws
+                )
+                return MultiStatus((status,))
+        return self._drive(self._many(items, apply=apply, throws=throws))
+
+    def _decide_unsharded(
+        self, limit: LimitConfig, key: object, count: int | float, reserve: bool, *, apply: bool, throws: bool
+    ) -> Status:
         request = self._one_request(limit, key, count, reserve)
         try:
             outcome: Outcome | None = self.backend(limit).decide([request], apply=apply)
@@ -417,7 +435,7 @@ class Limiter:
             outcome = None
         return self._one_status(limit, key, count, request.count, outcome, apply=apply, throws=throws)
 
-    def _resolve_one(self, name: str, reserve: bool, config: ConfigSpec | None) -> LimitConfig:
+    def _resolve_one(self, name: str, reserve: bool, config: ConfigSpec | LimitConfig | None) -> LimitConfig:
         if not isinstance(reserve, bool):
             raise ValueError(f"rate limit {name!r}: reserve must be a bool, not {reserve!r}")
         return self.resolve(name, config)

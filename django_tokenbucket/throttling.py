@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any
@@ -200,7 +199,9 @@ class SimpleRateThrottle(BaseThrottle):
         return memo[memo_key]
 
     def allow_request(self, request: DRFRequest, view: Any) -> bool:
-        if getattr(request, "method", None) == "OPTIONS" and not tokenbucket_settings.COUNT_OPTIONS:
+        # The Django request's method: DRF's Request finds it only after a failed lookup.
+        method = getattr(getattr(request, "_request", request), "method", None)
+        if method == "OPTIONS" and not tokenbucket_settings.COUNT_OPTIONS:
             return True  # a CORS preflight is the browser's, not the user's, request
         try:
             scopes = self.get_scopes(request, view)
@@ -221,10 +222,10 @@ class SimpleRateThrottle(BaseThrottle):
             raise ServiceUnavailable() from exc
         except ImproperlyConfigured as exc:
             return self._misconfigured(exc, view)
-        allowed = all(status.ok for status in self.statuses)
-        if not allowed:
-            _no_store(view)
-        return allowed
+        for status in self.statuses:
+            if not status.ok:
+                return _no_store(view)
+        return True
 
     def wait(self) -> float | None:
         """Return the exact time until this throttle would let the request through.
@@ -234,9 +235,9 @@ class SimpleRateThrottle(BaseThrottle):
         """
         if self.statuses:
             waits = [status.retry_after for status in self.statuses if not status.ok]
-            if not waits or any(wait is None for wait in waits):
+            if not waits or None in waits:
                 return None
-            return max(wait for wait in waits if wait is not None)
+            return max(waits)  # type: ignore[type-var]
         return self._history_wait()
 
     # -- what subclasses may customise beyond DRF's API ---------------------------------
@@ -267,14 +268,16 @@ class SimpleRateThrottle(BaseThrottle):
         if scopes is None:
             scopes = self.get_scopes(request, view)
         if len(scopes) > 1 or self.scopes:
-            rates = [(scope, self._rate_of(scope)) for scope in scopes]
+            given = [(scope, rate) for scope in scopes if (rate := self._rate_of(scope)) is not None]
+            if not given:
+                return []
         else:
             if self._rate_error is not None:
                 raise self._rate_error
-            rates = [(self._name(), self.rate)] if scopes or self.rate else []
-        given = [(name, rate) for name, rate in rates if rate is not None]
-        if not given:
-            return []
+            rate = self.rate
+            if rate is None or not (scopes or rate):
+                return []
+            given = [(self._name(), rate)]
         self.key = key = self.get_key(request, view)
         if key is None:
             return []
@@ -364,32 +367,35 @@ def _decide_for_view(
     siblings = _siblings(view, throttle, own, request)
     if siblings is None:
         # Asked outside the view's own throttles (or the view has none): this one alone.
-        with _pinned_time(throttle):
-            return _limit_all(plan)
+        return _limit_all(throttle, plan)
     cache: dict[Signature, tuple[object, list[Status]]] = request.__dict__.setdefault("_tokenbucket_throttles", {})
-    plans = [(own, throttle.key, plan)]
-    for sibling, signature in siblings:
-        plans.append((signature, sibling.key, sibling.limit_requests(request, view, signature[1])))
-    flat = [limit for _, _, limits in plans for limit in limits]
-    with _pinned_time(throttle):
-        results = _limit_all(flat) if flat else []
-    position = 0
-    for signature, key, limits in plans:
-        cache[signature] = (key, results[position : position + len(limits)])
-        position += len(limits)
+    if siblings:
+        plans = [(own, throttle.key, plan)]
+        for sibling, signature in siblings:
+            plans.append((signature, sibling.key, sibling.limit_requests(request, view, signature[1])))
+        results = _limit_all(throttle, [limit for _, _, limits in plans for limit in limits])
+        position = 0
+        for signature, key, limits in plans:
+            cache[signature] = (key, results[position : position + len(limits)])
+            position += len(limits)
+    else:
+        # The view's only throttle of this module, as most are: nothing to share.
+        results = _limit_all(throttle, plan)
+        cache[own] = (throttle.key, results)
     # For RateLimit headers added by RateLimitMiddleware.
     django_request = getattr(request, "_request", request)
     setattr(django_request, "_tokenbucket_throttle_statuses", results)  # noqa: B010
     return cache[own][1]
 
 
-def _limit_all(limits: list[LimitRequest]) -> list[Status]:
-    """``limit_many(limits)`` as a list. One limit, the usual throttle, goes through
-    ``limit()``, which decides it without the plan for several (issue 19)."""
-    if len(limits) == 1:
-        (only,) = limits
-        return [limiter.limit(only.name, only.key, only.count, only.reserve, config=only.config)]  # type: ignore[arg-type]
-    return list(limiter.limit_many(limits))
+def _limit_all(throttle: SimpleRateThrottle, limits: list[LimitRequest]) -> list[Status]:
+    """``limit_many(limits)`` as a list, at the throttle's ``timer()`` if it was replaced."""
+    if not limits:
+        return []
+    if throttle.timer is time.time or throttle.now is None:
+        return list(limiter.limit_many(limits))
+    with clock.pinned(round(throttle.now * MICRO)):
+        return list(limiter.limit_many(limits))
 
 
 @lru_cache(maxsize=1024)
@@ -415,6 +421,8 @@ def _siblings(
         return None
     if getattr(type(view), "get_throttles", None) is drf_views.APIView.get_throttles:
         classes = _throttles_of_this_module(tuple(view.throttle_classes))
+        if len(classes) == 1:
+            return [] if classes[0] is type(throttle) else None
         if type(throttle) not in classes:
             return None
         if classes.count(type(throttle)) == 1:
@@ -432,13 +440,6 @@ def _decided(request: DRFRequest, signature: Signature) -> tuple[object, list[St
     # DRF's own tests ask with request={}: nothing was decided for that.
     decided = getattr(request, "__dict__", {}).get("_tokenbucket_throttles")
     return decided.get(signature) if decided else None
-
-
-def _pinned_time(throttle: SimpleRateThrottle) -> AbstractContextManager[None]:
-    """Decide at the throttle's ``timer()`` when it was replaced, else on the store's clock."""
-    if throttle.timer is time.time or throttle.now is None:
-        return nullcontext()
-    return clock.pinned(round(throttle.now * MICRO))
 
 
 class AnonRateThrottle(SimpleRateThrottle):
@@ -473,8 +474,9 @@ class UserRateThrottle(SimpleRateThrottle):
         # a subclass's own get_cache_key is used as it is.
         if _overridden(self, "get_cache_key", UserRateThrottle):
             return self.get_cache_key(request, view)
-        if _authenticated(request):
-            return ("user", request.user.pk)
+        user = _authenticated_user(request)
+        if user is not None:
+            return ("user", user.pk)
         return ("ip", self.get_ident(request) or "unknown")
 
 
@@ -510,8 +512,13 @@ class ScopedRateThrottle(UserRateThrottle):
 
 
 def _authenticated(request: Any) -> bool:
+    return _authenticated_user(request) is not None
+
+
+def _authenticated_user(request: Any) -> Any:
+    """The request's user if authenticated, else None (DRF's ``request.user`` is a property)."""
     user = getattr(request, "user", None)
-    return bool(user is not None and user.is_authenticated)
+    return user if user is not None and user.is_authenticated else None
 
 
 def _overridden(throttle: SimpleRateThrottle, method: str, base: type) -> bool:

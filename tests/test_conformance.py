@@ -6,6 +6,7 @@ Time is pinned with ``frozen_clock`` so the assertions are exact; no test sleeps
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -319,6 +320,32 @@ class TestSeveralLimits:
     def test_check_many(self, clock):
         result = limiter.check_many([("burst", "z", 20), ("login", "z", 5)])
         assert result.ok and limiter.get_value("burst", "z") == 20
+
+    def test_one_limit_decides_as_the_plan_for_several(self, clock, api):
+        """``limit_many`` of one unsharded limit, a throttle's usual call, skips the plan
+        for several; the plan decides the same calls alike, shadow mode and waits included."""
+
+        def planned(item, *, apply=True, throws=False):
+            steps = sync_limiter._many([replace(item, key="planned")], apply=apply, throws=throws)
+            return sync_limiter._drive(steps) if api == "sync" else async_to_sync(sync_limiter._adrive)(steps)
+
+        def as_planned(statuses):
+            return [replace(status, key="planned") for status in statuses]
+
+        shadow = {"rate": "5/m", "shadow": True}
+        for name, config in (("login", None), ("shadow_one", shadow)):
+            for count, reserve in ((2, False), (3, False), (1, False), (4, False), (1, True)):
+                item = LimitRequest(name, "short", count, reserve, config)
+                short, twin = limiter.limit_many([item]), planned(item)
+                assert type(short) is type(twin) and as_planned(short) == list(twin)
+                assert as_planned(limiter.check_many([item])) == list(planned(item, apply=False))
+        item = LimitRequest("login", "short")
+        with pytest.raises(RateLimited) as short_raised:
+            limiter.limit_many([item], throws=True)
+        with pytest.raises(RateLimited) as planned_raised:
+            planned(item, throws=True)
+        assert short_raised.value.retry_after == planned_raised.value.retry_after
+        assert replace(short_raised.value.status, key="planned") == planned_raised.value.status
 
 
 class TestClock:
