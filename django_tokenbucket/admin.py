@@ -1031,7 +1031,6 @@ class RateLimitAdmin(BucketAdminViews):
                 "title": _("Rate limits by limit"),
                 "opts": self.opts,
                 "entries": entries,
-                "changelist_url": changelist,
                 "now": _local_time(context.now),
                 "media": self.media,
             },

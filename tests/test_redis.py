@@ -31,6 +31,7 @@ from redis.retry import Retry
 
 from django_tokenbucket import BackendUnavailable, LimitRequest, limiter
 from django_tokenbucket.algorithms import MAX_AMOUNT, MICRO, Decision, State
+from django_tokenbucket.api import Limiter
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.base import BackendError, Outcome, Request
 from django_tokenbucket.backends.redis import (
@@ -101,31 +102,100 @@ def replay(backend: RedisBackend, start: int, trace, note=lambda label: None) ->
     parity.replay(lambda requests, apply: backend.decide(requests, apply=apply), stored, start, trace, note)
 
 
+class ScriptOnly(RedisBackend):
+    """Every decision by the script, which the parity tests hold to the Python algorithms."""
+
+    def _reads_first(self, requests, apply):
+        return False
+
+
+class ReadsFirst(RedisBackend):
+    """Every decision of one limit read first, as a key denied lately is: a denial or a
+    check decided from GET and TIME, what writes handed to the script."""
+
+    def _reads_first(self, requests, apply):
+        return len(requests) == 1
+
+
+@pytest.fixture(params=[ScriptOnly, ReadsFirst], ids=["script", "read first"])
+def deciding(request, backend):
+    return request.param(backend.options)
+
+
 @parity.PARITY
 @given(parity.traces())
-def test_lua_and_python_agree_on_every_decision(backend, case):
+def test_lua_and_python_agree_on_every_decision(deciding, case):
     """Decisions, values, retry_after, full_after and stored states, bit for bit."""
-    replay(backend, *case, note=event)  # statistics: pytest --hypothesis-show-statistics
+    replay(deciding, *case, note=event)  # statistics: pytest --hypothesis-show-statistics
 
 
 @parity.PARITY
 @given(parity.near_ties())
-def test_lua_and_python_agree_on_near_ties(backend, case):
-    replay(backend, *case)
+def test_lua_and_python_agree_on_near_ties(deciding, case):
+    replay(deciding, *case)
 
 
 @pytest.mark.parametrize("config, trace", parity.BEYOND_53_BITS, ids=parity.BEYOND_53_BITS_IDS)
-def test_lua_and_python_agree_beyond_53_bits(backend, config, trace):
-    replay(backend, T0_US, parity.beyond_53_bits_trace(config, trace))
+def test_lua_and_python_agree_beyond_53_bits(deciding, config, trace):
+    replay(deciding, T0_US, parity.beyond_53_bits_trace(config, trace))
 
 
-def test_lua_and_python_agree_when_a_window_moves(backend):
+def test_lua_and_python_agree_when_a_window_moves(deciding):
     """A window stored under one start and period, decided under others, realigns alike."""
-    replay(backend, T0_US, parity.window_move_trace())
+    replay(deciding, T0_US, parity.window_move_trace())
 
 
-def test_lua_and_python_agree_at_the_clock_skew_tolerance(backend):
-    replay(backend, T0_US, parity.clock_skew_trace())
+def test_lua_and_python_agree_at_the_clock_skew_tolerance(deciding):
+    replay(deciding, T0_US, parity.clock_skew_trace())
+
+
+class CountingScripts(RedisBackend):
+    """The backend, counting the scripts it runs (each still runs)."""
+
+    scripts = 0
+
+    def _run(self, client, keys, argv):
+        self.scripts += 1
+        return super()._run(client, keys, argv)
+
+
+@pytest.fixture
+def counting(backend):
+    return CountingScripts(backend.options)
+
+
+def test_a_key_denied_lately_is_denied_from_one_read_without_the_script(counting):
+    own = Limiter(counting)
+    client = counting.client()
+    with frozen_clock(T0) as clock:
+        for _ in range(5):
+            assert own.limit("login", "flood").ok
+        assert (counting.scripts, counting.reads["sent"]) == (5, 0)
+        # The last admission left the bucket empty: its next calls are likely denied.
+        key = counting.key(own.resolve("login"), encode_key("flood"))
+        stored, ttl = client.get(key), client.pttl(key)
+        denials = [own.limit("login", "flood") for _ in range(20)]
+        assert counting.scripts == 5 and counting.reads == {"sent": 20, "decided": 20}
+        assert all(not d.ok and d.retry_after == 12.0 and d.value == 0 for d in denials)
+        assert client.get(key) == stored and client.pttl(key) <= ttl  # nothing written
+        clock.advance(12)  # one token back: the read sees an admission, which the script makes
+        admitted = own.limit("login", "flood")
+        assert admitted.ok and admitted.value == 0
+        assert counting.scripts == 6 and counting.reads == {"sent": 21, "decided": 20}
+        # A check never writes: it is read, whether or not the key was denied lately.
+        assert own.check("login", "never-denied").value == 4
+        assert counting.scripts == 6 and counting.reads["decided"] == 21
+
+
+def test_a_key_reset_elsewhere_is_admitted_at_once(counting):
+    """Reading first is a guess of the path only: a reset by another process counts at once."""
+    own = Limiter(counting)
+    with frozen_clock(T0):
+        for _ in range(6):
+            own.limit("login", "reset")
+        counting.client().delete(counting.key(own.resolve("login"), encode_key("reset")))
+        assert own.limit("login", "reset").value == 4
+        assert counting.reads == {"sent": 2, "decided": 1}  # the 6th call, then an admission
 
 
 # The script's two paths: the common one in plain doubles, and the general one (bignum.lua).
@@ -421,6 +491,21 @@ def test_redis_down_fails_open_when_configured(ignore_exceptions, caplog):
         assert get_backend().errors["ConnectionError"] == 8
         with pytest.raises(BackendUnavailable):  # reading has nothing to allow
             limiter.get_value("login", "open")
+
+
+@pytest.mark.redis_processes
+def test_a_read_that_fails_is_a_backend_failure_that_wrote_nothing():
+    """A key denied lately is read first; a store down then fails the read, not ambiguously."""
+    with private_redis() as server, frozen_clock(T0):
+        for _ in range(6):
+            limiter.limit("login", "read")
+        server.stop()
+        with pytest.raises(BackendUnavailable, match="login") as failure:
+            limiter.limit("login", "read")
+        assert failure.value.__cause__.ambiguous is False
+        assert get_backend().reads["sent"] == 2 and get_backend().errors["ConnectionError"] == 1
+        server.start()  # empty: the bucket is fresh again
+        assert limiter.limit("login", "read").value == 4
 
 
 @pytest.mark.redis_processes

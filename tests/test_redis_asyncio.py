@@ -170,6 +170,18 @@ async def test_a_server_that_stops_answering_is_an_ambiguous_failure_then_recove
             assert (await limiter.alimit("login", "slow")).ok
 
 
+async def test_a_key_denied_lately_is_read_on_the_asyncio_client_too():
+    with RedisServer() as server, limiter_on(plain_cache(server.url)) as backend, frozen_clock(T0):
+        for _ in range(5):
+            assert (await limiter.alimit("login", "flood")).ok
+        key = backend.key(limiter.resolve("login"), encode_key("flood"))
+        before = server.client().get(key)
+        denials = [await limiter.alimit("login", "flood") for _ in range(10)]
+        assert all(not denial.ok and denial.retry_after == 12.0 for denial in denials)
+        assert backend.reads == {"sent": 10, "decided": 10} and backend.async_calls == {"asyncio": 15}
+        assert server.client().get(key) == before  # nothing written
+
+
 async def test_a_connection_factory_of_ones_own_takes_the_thread_path(caplog):
     with RedisServer() as server:
         cache = plain_cache(server.url, CONNECTION_FACTORY="tests.test_redis_asyncio.OwnFactory")
@@ -262,6 +274,9 @@ def test_sentinel_serves_the_sync_and_the_async_path():
             assert asyncio.run(decide()).value == 1
             assert not limiter.limit("login", "s", count=2).ok
             assert backend.async_calls == {"asyncio": 2}
+            # The value read (async) and the denial of a key left short (sync) were each
+            # one read on the master's pool, without the script.
+            assert backend.reads == {"sent": 2, "decided": 2}
             # Both paths wrote the one key on the master the sentinel names.
             assert master.client().dbsize() == 1
             assert stored(backend, "login", "s") is not None

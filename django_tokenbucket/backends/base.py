@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -249,3 +251,63 @@ class BaseBackend(ABC):
         raise NotImplementedError(
             f"{type(self).__name__} cannot return tokens (refund); the database backend can"
         )
+
+
+class RecentDenials:
+    """Which keys this process saw denied lately, to pick how their next decision goes.
+
+    A decision on a key likely denied reads the bucket and the store's clock first, and
+    decides a denial from that read alone; any other decides in the store's single
+    atomic step (PostgreSQL's function, Redis' script), which admits in one round trip
+    where reading first would cost two. A key is remembered from an outcome that leaves it
+    short of one more call of the same count, until the time that call would be allowed
+    (measured on this process' monotonic clock: a guess, not the store's time), and
+    forgotten when it admits with room to spare. Bounded: past ``size`` keys, the
+    oldest is forgotten.
+
+    Exactness never depends on it: both paths decide alike (tests/test_pg_fast_path.py,
+    tests/test_redis.py), and a wrong guess costs only a round trip.
+    """
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._until: dict[tuple[str, str, str], float] = {}
+        self._lock = threading.Lock()
+
+    def forget(self, alias: str, name: str, digest: str) -> None:
+        """Forget one key: its next decision goes straight to the store's atomic step."""
+        with self._lock:
+            self._until.pop((alias, name, digest), None)
+
+    def likely(self, alias: str, request: Request) -> bool:
+        """Whether ``request`` is likely denied, as far as this process has seen."""
+        until = self._until.get((alias, request.config.name, request.key.digest))
+        return until is not None and until > time.monotonic()
+
+    def learn(self, alias: str, request: Request, decision: Decision) -> None:
+        """Remember, or forget, ``request``'s key from the decision just made."""
+        key = (alias, request.config.name, request.key.digest)
+        count = request.count
+        if decision.allowed and decision.value >= count:
+            if key in self._until:
+                with self._lock:
+                    self._until.pop(key, None)
+            return
+        config = request.config
+        if decision.allowed or decision.retry_after is None:
+            short = count - decision.value
+            wait = config.algorithm.refill_time(short, config.rate, config.period) if short > 0 else 0
+        else:
+            wait = decision.retry_after
+        if wait <= 0:
+            return
+        with self._lock:
+            self._until.pop(key, None)
+            while self._until and len(self._until) >= self.size:
+                del self._until[next(iter(self._until))]
+            self._until[key] = time.monotonic() + min(wait, _LONGEST_MEMORY) / 1e6
+
+
+#: The longest a denial is remembered (µs): a bucket emptied for hours is still picked
+#: up again by a later denial.
+_LONGEST_MEMORY = 3600 * 10**6

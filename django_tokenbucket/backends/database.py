@@ -39,13 +39,23 @@ from ..keys import EncodedKey
 from ..limits import LimitConfig
 from ..models import RateLimit
 from ..settings import tokenbucket_settings
-from .base import BackendError, BaseBackend, BucketPage, Outcome, Request, RowId, StoredBucket, decide_all, row_id
+from .base import (
+    BackendError,
+    BaseBackend,
+    BucketPage,
+    Outcome,
+    RecentDenials,
+    Request,
+    RowId,
+    StoredBucket,
+    decide_all,
+    row_id,
+)
 from .deadline import Watch, watching
 from .postgresql import (
     FUNCTION_NAME,
     PREPARE_MODES,
     UNDEFINED_FUNCTION,
-    RecentDenials,
     decide_in_server,
     decide_one,
     is_postgresql,

@@ -51,6 +51,7 @@ try:
     from django_redis.pool import ConnectionFactory
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(f"the Redis backend needs django-redis: pip install 'dj-tokenbucket[redis]' ({exc})") from exc
+from redis import __version__ as redis_version
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
@@ -64,7 +65,7 @@ from ..keys import EncodedKey
 from ..limits import LimitConfig
 from ..settings import tokenbucket_settings
 from . import is_django_redis
-from .base import BackendError, BaseBackend, BucketPage, Outcome, Request, RowId, StoredBucket, row_id
+from .base import BackendError, BaseBackend, BucketPage, Outcome, RecentDenials, Request, RowId, StoredBucket, row_id
 from .redis_asyncio import AsyncioClients, missing_cache_error, not_django_redis_error
 
 __all__ = ["BIGNUM_MARKER", "SCRIPT", "ClusterConnectionFactory", "RedisBackend", "state_key"]
@@ -165,6 +166,8 @@ class _Connection(NamedTuple):
     make_key: Callable[[str], Any]
     #: ``TOKENBUCKET["CLOCK"] == "app"``: the script is sent this host's time.
     app_clock: bool
+    #: The client's connection pool when it talks to one server (``_read``), else None.
+    read_pool: Any
 
 
 class _Limit(NamedTuple):
@@ -238,13 +241,17 @@ class RedisBackend(BaseBackend):
         #: how often the script had to be sent again (NOSCRIPT).
         self.errors: Counter[str] = Counter()
         self.script_reloads = 0
+        #: Which keys to read first (see ``_read``), and how often a read was "sent" and
+        #: "decided" the call without the script.
+        self.recent_denials = RecentDenials()
+        self.reads: Counter[str] = Counter()
         #: The asyncio clients of the async API, one per event loop.
         self.asyncio_clients = AsyncioClients(alias, setting, cluster_factory=ClusterConnectionFactory)
         #: Calls of the async API by how they reached Redis: "asyncio" (its own client)
         #: or "thread" (the blocking client in a worker thread, for cache settings that
         #: the asyncio client cannot mirror; ``asyncio_clients.thread_reason`` says why).
         self.async_calls: Counter[str] = Counter()
-        self._asyncio_keys: tuple[int, str | None, Callable[[str], Any]] | None = None
+        self._asyncio_keys: tuple[int, str | None, Callable[[str], Any], Any, Any] | None = None
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], setting: str) -> list[Any]:
@@ -311,12 +318,16 @@ class RedisBackend(BaseBackend):
         try:
             # Inside the try: a cluster client discovers its nodes when it is made.
             connection = self._connect()
+            if self._reads_first(requests, apply):
+                read = self._read(connection, requests[0], apply=apply)
+                if read is not None:
+                    return read
             keys, argv = self._command(connection, requests, apply=apply)
             self._check_slots(connection.client, keys, requests)
             reply = self._run(connection.client, keys, argv)
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc, ambiguous=apply and self._script_may_have_run(exc)) from exc
-        return self._outcome(reply, len(requests))
+        return self._learned(self._outcome(reply, len(requests)), requests, apply)
 
     async def adecide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
         """``decide()`` on the asyncio client of the running event loop: the same script,
@@ -328,6 +339,10 @@ class RedisBackend(BaseBackend):
                 self.async_calls["thread"] += 1
                 return await super().adecide(requests, apply=apply)
             self.async_calls["asyncio"] += 1
+            if self._reads_first(requests, apply):
+                read = await self._aread(connection, requests[0], apply=apply)
+                if read is not None:
+                    return read
             client = connection.client
             keys, argv = self._command(connection, requests, apply=apply)
             self._check_slots(client, keys, requests)
@@ -335,7 +350,109 @@ class RedisBackend(BaseBackend):
         except (RedisError, RedisClusterException, OSError) as exc:
             ambiguous = apply and client is not None and _may_have_run(client, exc)
             raise self._failed(exc, ambiguous=ambiguous) from exc
-        return self._outcome(reply, len(requests))
+        return self._learned(self._outcome(reply, len(requests)), requests, apply)
+
+    # -- reading first: a denial or a check without the script ----------------------------
+    #
+    # A key this process saw denied lately is likely denied again: its decision reads
+    # the bucket and the clock (GET, then TIME, sent together: one round trip) and
+    # decides in Python with the same algorithm as the script (tests/test_redis.py holds
+    # the two equal). A denial, or a check, ends there, having written nothing; what
+    # writes (an admission) still goes to the script, which decides it again. The clock
+    # is read after the bucket: buckets only fill as time passes, so a state denied at
+    # the later time was denied when it was read, whatever other clients did between
+    # the two (a reset in between is ordered after the denial). Only on a client that
+    # talks to one server (Sentinel included); a cluster's decisions all run the script.
+
+    def _reads_first(self, requests: Sequence[Request], apply: bool) -> bool:
+        return len(requests) == 1 and (not apply or self.recent_denials.likely(self.cache_alias, requests[0]))
+
+    def _read_commands(self, connection: _Connection, request: Request) -> tuple[list[tuple[str, ...]], int | None]:
+        """Return the commands of the read and, when the script would be sent one, its time."""
+        key = self._key(connection, self._limit(request.config), request.key)
+        now = clock.override()
+        if now is None and connection.app_clock:
+            now = clock.app_now()
+        return ([("GET", key)] if now is not None else [("GET", key), ("TIME",)]), now
+
+    def _read_outcome(self, request: Request, raw: Any, now: int, *, apply: bool) -> Outcome | None:
+        """Decide ``request`` from the stored ``raw`` at ``now``; None when the script must."""
+        state = None if raw is None else _parse_state(raw)
+        if raw is not None and state is None:
+            return None  # unreadable: the script says so
+        config = request.config
+        decision = config.decide(state, now, request.count, request.key.digest, request.reserve)
+        if apply and (decision.allowed or decision.state is not None):
+            # It writes (an admission, or a denial that re-dates a bucket whose clock
+            # went back): the script decides it again, atomically.
+            return None
+        self.reads["decided"] += 1
+        if decision.state is not None:  # a check's: the script's decisions carry none
+            decision = _decision(decision.allowed, decision.value, decision.retry_after, decision.full_after)
+        return self._learned(_make_outcome([decision], now), [request], apply)
+
+    def _read(self, connection: _Connection, request: Request, *, apply: bool) -> Outcome | None:
+        pool = connection.read_pool
+        if pool is None:
+            return None
+        commands, now = self._read_commands(connection, request)
+        self.reads["sent"] += 1
+        try:
+            link = _pooled_connection(pool)
+        except (RedisError, OSError) as exc:
+            raise self._failed(exc) from exc  # nothing was sent
+        try:
+            link.send_packed_command(link.pack_commands(commands))
+            raw = link.read_response()
+            if now is None:
+                now = _microseconds(link.read_response())
+        except ResponseError:
+            link.disconnect()  # the other reply may be unread
+            return None
+        except (RedisError, OSError) as exc:
+            link.disconnect()
+            raise self._failed(exc) from exc  # a read changed nothing: not ambiguous
+        except BaseException:
+            link.disconnect()
+            raise
+        finally:
+            pool.release(link)
+        return self._read_outcome(request, raw, now, apply=apply)
+
+    async def _aread(self, connection: _Connection, request: Request, *, apply: bool) -> Outcome | None:
+        """``_read`` on the asyncio client."""
+        pool = connection.read_pool
+        if pool is None:
+            return None
+        commands, now = self._read_commands(connection, request)
+        self.reads["sent"] += 1
+        try:
+            link = await (pool.get_connection() if _POOL_TAKES_NO_COMMAND else pool.get_connection("GET"))
+        except (RedisError, OSError) as exc:
+            raise self._failed(exc) from exc
+        try:
+            await link.send_packed_command(link.pack_commands(commands))
+            raw = await link.read_response()
+            if now is None:
+                now = _microseconds(await link.read_response())
+        except ResponseError:
+            await link.disconnect()
+            return None
+        except (RedisError, OSError) as exc:
+            await link.disconnect()
+            raise self._failed(exc) from exc
+        except BaseException:
+            await link.disconnect()
+            raise
+        finally:
+            await pool.release(link)
+        return self._read_outcome(request, raw, now, apply=apply)
+
+    def _learned(self, outcome: Outcome, requests: Sequence[Request], apply: bool) -> Outcome:
+        """Return ``outcome``, after remembering whether its key is likely denied next time."""
+        if apply and len(requests) == 1:
+            self.recent_denials.learn(self.cache_alias, requests[0], outcome.decisions[0])
+        return outcome
 
     def _command(
         self, connection: _Connection, requests: Sequence[Request], *, apply: bool
@@ -404,10 +521,9 @@ class RedisBackend(BaseBackend):
         if tokenbucket_settings.CLOCK == "app":
             return clock.app_now()
         try:
-            seconds, micros = _node_clients(self.client())[0].time()
+            return _microseconds(_node_clients(self.client())[0].time())
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc) from exc
-        return int(seconds) * 1_000_000 + int(micros)
 
     # -- operations: listing, counting, resetting a whole limit --------------------------------
 
@@ -572,7 +688,9 @@ class RedisBackend(BaseBackend):
             raise missing_cache_error(self.cache_alias, self.setting) from None
         except NotImplementedError:
             raise not_django_redis_error(self.cache_alias) from None
-        connection = self._connection = _Connection(generation, client, *self._key_function(), _app_clock())
+        connection = self._connection = _Connection(
+            generation, client, *self._key_function(), _app_clock(), _single_server_pool(client)
+        )
         return connection
 
     async def _aconnect(self) -> _Connection | None:
@@ -582,9 +700,9 @@ class RedisBackend(BaseBackend):
         if client is None:
             return None
         keys = self._asyncio_keys
-        if keys is None or keys[0] != generation:
-            keys = self._asyncio_keys = (generation, *self._key_function())
-        return _Connection(generation, client, keys[1], keys[2], _app_clock())
+        if keys is None or keys[0] != generation or keys[3] is not client:
+            keys = self._asyncio_keys = (generation, *self._key_function(), client, _single_server_pool(client))
+        return _Connection(generation, client, keys[1], keys[2], _app_clock(), keys[4])
 
     def _key_function(self) -> tuple[str | None, Callable[[str], Any]]:
         """Return what keys are made with: the cache's prefix (with Django's default key
@@ -775,6 +893,27 @@ def _digest_glob(prefix: str) -> str:
 def _digest_of(inner: str) -> str | None:
     match = _STORED_DIGEST.fullmatch(inner.rpartition(":")[2])
     return match.group(1) + match.group(2) if match else None
+
+
+def _single_server_pool(client: Any) -> Any:
+    """The connection pool of a client of one server (Sentinel's included), else None."""
+    if isinstance(client, (RedisCluster, AsyncRedisCluster)) or getattr(client, "connection", None) is not None:
+        return None  # a cluster, or a client holding a single connection of its own
+    return getattr(client, "connection_pool", None)
+
+
+def _pooled_connection(pool: Any) -> Any:
+    # redis-py 5.3 deprecated the command name that earlier versions require.
+    return pool.get_connection() if _POOL_TAKES_NO_COMMAND else pool.get_connection("GET")
+
+
+_POOL_TAKES_NO_COMMAND = tuple(int(part) for part in redis_version.split(".")[:2]) >= (5, 3)
+
+
+def _microseconds(time_reply: Any) -> int:
+    """Return Redis' ``TIME`` reply (seconds, microseconds) in microseconds."""
+    seconds, micros = time_reply
+    return int(seconds) * 1_000_000 + int(micros)
 
 
 def _parse_state(raw: Any) -> State | None:
