@@ -367,13 +367,18 @@ class RedisBackend(BaseBackend):
     def _reads_first(self, requests: Sequence[Request], apply: bool) -> bool:
         return len(requests) == 1 and (not apply or self.recent_denials.likely(self.cache_alias, requests[0]))
 
-    def _read_commands(self, connection: _Connection, request: Request) -> tuple[list[tuple[str, ...]], int | None]:
-        """Return the commands of the read and, when the script would be sent one, its time."""
+    def _read_plan(self, connection: _Connection, request: Request) -> tuple[Any, list[tuple[str, ...]], int | None]:
+        """Return the pool to read on (None: the script decides), the read's commands and,
+        when the script would be sent one, the time."""
+        pool = connection.read_pool
+        if pool is None:
+            return None, [], None
+        self.reads["sent"] += 1
         key = self._key(connection, self._limit(request.config), request.key)
         now = clock.override()
         if now is None and connection.app_clock:
             now = clock.app_now()
-        return ([("GET", key)] if now is not None else [("GET", key), ("TIME",)]), now
+        return pool, ([("GET", key)] if now is not None else [("GET", key), ("TIME",)]), now
 
     def _read_outcome(self, request: Request, raw: Any, now: int, *, apply: bool) -> Outcome | None:
         """Decide ``request`` from the stored ``raw`` at ``now``; None when the script must."""
@@ -392,11 +397,10 @@ class RedisBackend(BaseBackend):
         return self._learned(_make_outcome([decision], now), [request], apply)
 
     def _read(self, connection: _Connection, request: Request, *, apply: bool) -> Outcome | None:
-        pool = connection.read_pool
+        """Decide ``request`` from one read of its bucket and the clock; None: run the script."""
+        pool, commands, now = self._read_plan(connection, request)
         if pool is None:
             return None
-        commands, now = self._read_commands(connection, request)
-        self.reads["sent"] += 1
         try:
             link = _pooled_connection(pool)
         except (RedisError, OSError) as exc:
@@ -421,11 +425,9 @@ class RedisBackend(BaseBackend):
 
     async def _aread(self, connection: _Connection, request: Request, *, apply: bool) -> Outcome | None:
         """``_read`` on the asyncio client."""
-        pool = connection.read_pool
+        pool, commands, now = self._read_plan(connection, request)
         if pool is None:
             return None
-        commands, now = self._read_commands(connection, request)
-        self.reads["sent"] += 1
         try:
             link = await (pool.get_connection() if _POOL_TAKES_NO_COMMAND else pool.get_connection("GET"))
         except (RedisError, OSError) as exc:
@@ -907,7 +909,7 @@ def _pooled_connection(pool: Any) -> Any:
     return pool.get_connection() if _POOL_TAKES_NO_COMMAND else pool.get_connection("GET")
 
 
-_POOL_TAKES_NO_COMMAND = tuple(int(part) for part in redis_version.split(".")[:2]) >= (5, 3)
+_POOL_TAKES_NO_COMMAND = tuple(map(int, re.findall(r"\d+", redis_version)[:2])) >= (5, 3)
 
 
 def _microseconds(time_reply: Any) -> int:
