@@ -429,7 +429,7 @@ class RedisBackend(BaseBackend):
         if pool is None:
             return None
         try:
-            link = await (pool.get_connection() if _POOL_TAKES_NO_COMMAND else pool.get_connection("GET"))
+            link = await _pooled_connection(pool)
         except (RedisError, OSError) as exc:
             raise self._failed(exc) from exc
         try:
@@ -905,6 +905,7 @@ def _single_server_pool(client: Any) -> Any:
 
 
 def _pooled_connection(pool: Any) -> Any:
+    """A connection of ``pool`` (of the asyncio client: an awaitable of one)."""
     # redis-py 5.3 deprecated the command name that earlier versions require.
     return pool.get_connection() if _POOL_TAKES_NO_COMMAND else pool.get_connection("GET")
 
