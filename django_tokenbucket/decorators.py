@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,6 +14,7 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_asy
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponseBase
 from django.utils.functional import LazyObject, empty
+from django.views.generic import View as DjangoView
 
 from .api import LimitRequest, limiter
 from .exceptions import BackendUnavailable
@@ -51,11 +53,33 @@ def declared_stacks() -> dict[str, tuple[tuple[str, dict[str, Any] | None], ...]
 
 
 def _methods(method: str | Iterable[str] | None) -> frozenset[str] | None:
+    """Return the methods counted, HEAD with GET: Django runs a view's GET code for HEAD."""
     if method is None:
         return None
-    if isinstance(method, str):
-        return frozenset({method.upper()})
-    return frozenset(m.upper() for m in method)
+    methods = frozenset({method.upper()} if isinstance(method, str) else (m.upper() for m in method))
+    return methods | {"HEAD"} if "GET" in methods else methods
+
+
+def _answers_options_itself(view_class: type) -> bool:
+    """Whether a view class answers OPTIONS without its own code: Django's or DRF's ``options()``.
+
+    Only there is an uncounted OPTIONS free of the view's work. A function view runs its
+    own code for OPTIONS, so there OPTIONS is counted like any other method.
+    """
+    answers = {DjangoView.options}
+    drf_views = sys.modules.get("rest_framework.views")
+    if drf_views is not None:
+        answers.add(drf_views.APIView.options)
+    return getattr(view_class, "options", None) in answers
+
+
+def _drf_view_class(view: Any) -> type | None:
+    """Return the DRF view class of ``view`` (an APIView subclass, or its ``as_view()``), else None."""
+    drf_views = sys.modules.get("rest_framework.views")  # no DRF loaded: no DRF view either
+    if drf_views is None:
+        return None
+    view_class = view if isinstance(view, type) else getattr(view, "cls", None)
+    return view_class if isinstance(view_class, type) and issubclass(view_class, drf_views.APIView) else None
 
 
 def ratelimit(
@@ -110,82 +134,122 @@ def ratelimit(
     elif name is None:
         raise ImproperlyConfigured("@ratelimit needs the name of a limit in TOKENBUCKET['LIMITS'], or rate=")
 
+    def limit_of(view: Any, below: tuple[_ViewLimit, ...], options_free: bool) -> _ViewLimit:
+        """Return this decorator's limit on ``view``, registered for the system checks."""
+        limit_name = name or _default_name(view, below, rate, period, methods, key)
+        if config is None:
+            _declared.setdefault(limit_name, _view_path(view))
+        else:
+            limiter.resolve(limit_name, config)  # a bad inline limit fails at import, not per request
+        return _ViewLimit(limit_name, key, config, methods, count, block, options_free)
+
     def decorator(view: View) -> View:
+        drf_class = _drf_view_class(view)
+        if drf_class is not None:
+            return _limit_drf_view(view, drf_class, limit_of)  # type: ignore[no-any-return]
         if isinstance(view, type):
             # A class-based view: limit every request its dispatch() handles.
             original = view.dispatch  # type: ignore[attr-defined]
-            limited = ratelimit(
-                name or _default_name(view, _chain_of(original), rate, period, methods, key),
-                key=key,
-                rate=rate,
-                period=period,
-                capacity=capacity,
-                kind=kind,
-                shadow=shadow,
-                backend=backend,
-                count=count,
-                method=method,
-                block=block,
-            )(original)
-            view.dispatch = limited  # type: ignore[attr-defined]
+            below = _chain_of(original)
+            this = limit_of(view, below, _answers_options_itself(view))
+            view.dispatch = _limit_function(original, this, below)  # type: ignore[attr-defined]
             return view
-
         below = _chain_of(view)
-        limit_name = name or _default_name(view, below, rate, period, methods, key)
-        if config is None:
-            _declared.setdefault(limit_name, f"{view.__module__}.{view.__qualname__}")
-        if config is not None:
-            limiter.resolve(limit_name, config)  # a bad inline limit fails at import, not per request
-        this = _ViewLimit(limit_name, key, config, methods, count, block)
-        # This decorator and every @ratelimit below it: the first of them to see a request
-        # decides them all at once, so a request refused by one spends nothing on the others.
-        chain = (this, *below)
-        if not iscoroutinefunction(view) and any(limit.awaits() for limit in chain):
-            raise ImproperlyConfigured(
-                f"@ratelimit on {view.__module__}.{view.__qualname__}: an async def key= or count= can only "
-                f"be awaited on an async def view; give this sync view a plain function"
-            )
-        if below:
-            _stacks[f"{view.__module__}.{view.__qualname__}"] = tuple((limit.name, limit.config) for limit in chain)
-
-        if iscoroutinefunction(view):
-
-            async def async_wrapper(*args: Any, **kwargs: Any) -> HttpResponseBase:
-                request = _request_of(args)
-                pending = _pending(request, chain, this)
-                if pending:
-                    try:
-                        decided = await _adecide(request, pending)
-                    except BackendUnavailable as exc:
-                        return unavailable_response(request, exc)
-                    blocked = _apply(request, decided)
-                    if blocked is not None:
-                        return blocked
-                return _with_headers(request, await view(*args, **kwargs))
-
-            wrapper: Callable[..., Any] = markcoroutinefunction(async_wrapper)
-        else:
-
-            def sync_wrapper(*args: Any, **kwargs: Any) -> HttpResponseBase:
-                request = _request_of(args)
-                pending = _pending(request, chain, this)
-                if pending:
-                    try:
-                        decided = _decide(request, pending)
-                    except BackendUnavailable as exc:
-                        return unavailable_response(request, exc)
-                    blocked = _apply(request, decided)
-                    if blocked is not None:
-                        return blocked
-                return _with_headers(request, view(*args, **kwargs))
-
-            wrapper = sync_wrapper
-        wrapped = functools.wraps(view)(wrapper)
-        # functools.wraps copies __dict__: a decorator stacked above sees this chain.
-        wrapped._tokenbucket_chain = chain  # type: ignore[attr-defined]
-        return wrapped  # type: ignore[return-value]
+        return _limit_function(view, limit_of(view, below, False), below)  # type: ignore[return-value]
 
     return decorator
+
+
+def _limit_function(view: Callable[..., Any], this: _ViewLimit, below: tuple[_ViewLimit, ...]) -> Callable[..., Any]:
+    """Return ``view`` deciding ``this`` limit and every ``@ratelimit`` below it before it runs."""
+    # The first of a stack of decorators to see a request decides them all at once, so a
+    # request refused by one spends nothing on the others.
+    chain = (this, *below)
+    if not iscoroutinefunction(view) and any(limit.awaits() for limit in chain):
+        raise ImproperlyConfigured(
+            f"@ratelimit on {_view_path(view)}: an async def key= or count= can only "
+            f"be awaited on an async def view; give this sync view a plain function"
+        )
+    if below:
+        _stacks[_view_path(view)] = tuple((limit.name, limit.config) for limit in chain)
+
+    if iscoroutinefunction(view):
+
+        async def async_wrapper(*args: Any, **kwargs: Any) -> HttpResponseBase:
+            request = _request_of(args)
+            pending = _pending(request, chain, this)
+            if pending:
+                try:
+                    decided = await _adecide(request, pending)
+                except BackendUnavailable as exc:
+                    return unavailable_response(request, exc)
+                blocked = _apply(request, decided)
+                if blocked is not None:
+                    return blocked
+            return _with_headers(request, await view(*args, **kwargs))
+
+        wrapper: Callable[..., Any] = markcoroutinefunction(async_wrapper)
+    else:
+
+        def sync_wrapper(*args: Any, **kwargs: Any) -> HttpResponseBase:
+            request = _request_of(args)
+            pending = _pending(request, chain, this)
+            if pending:
+                try:
+                    decided = _decide(request, pending)
+                except BackendUnavailable as exc:
+                    return unavailable_response(request, exc)
+                blocked = _apply(request, decided)
+                if blocked is not None:
+                    return blocked
+            return _with_headers(request, view(*args, **kwargs))
+
+        wrapper = sync_wrapper
+    wrapped = functools.wraps(view)(wrapper)
+    # functools.wraps copies __dict__: a decorator stacked above sees this chain.
+    wrapped._tokenbucket_chain = chain  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _limit_drf_view(
+    view: Any, view_class: type, limit_of: Callable[[Any, tuple[_ViewLimit, ...], bool], _ViewLimit]
+) -> Any:
+    """Limit a DRF view: decide its ``@ratelimit`` limits once DRF has authenticated the request.
+
+    Wrapping ``dispatch`` (or the function ``as_view()`` returns) would decide before DRF
+    authenticates the request and parses its body: ``key="user"`` would see the session's
+    user (anonymous for a token or JWT client, so keyed by address) and ``post:`` fields
+    an empty ``request.POST`` for JSON. See ``throttling.limit_after_authentication``. A
+    class is changed in place (as ``dispatch`` is for a Django view); a function from
+    ``as_view()`` or ``@api_view`` is made anew from a subclass, so that the class's
+    other routes are untouched.
+    """
+    from .throttling import limit_after_authentication  # DRF is loaded: the view is one of its views
+
+    below: tuple[_ViewLimit, ...] = getattr(view_class, "_tokenbucket_chain", ())
+    this = limit_of(view_class, below, _answers_options_itself(view_class))
+    if any(limit.awaits() for limit in (this, *below)):
+        raise ImproperlyConfigured(
+            f"@ratelimit on {_view_path(view_class)}: DRF authenticates synchronously; "
+            f"an async def key= or count= cannot be awaited there"
+        )
+    if isinstance(view, type):
+        limit_after_authentication(view, (this, *below))
+        return view
+    subclass: Any = type(view_class.__name__, (view_class,), {"__module__": view_class.__module__})
+    subclass.__qualname__ = view_class.__qualname__
+    limit_after_authentication(subclass, (this, *below))
+    actions = getattr(view, "actions", None)  # a ViewSet's as_view({"get": "list"})
+    initkwargs = getattr(view, "initkwargs", {})
+    return subclass.as_view(actions, **initkwargs) if actions is not None else subclass.as_view(**initkwargs)
+
+
+def _view_path(view: Any) -> str:
+    """Return ``module.qualname`` of a view (a DRF ``@api_view`` by its function's name)."""
+    qualname = view.__qualname__
+    if qualname.startswith("api_view.<locals>."):
+        qualname = view.__name__  # DRF names the class it makes after the function
+    return f"{view.__module__}.{qualname}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -198,6 +262,9 @@ class _ViewLimit:
     methods: frozenset[str] | None
     count: float | Callable[[HttpRequest], float] | Callable[[HttpRequest], Awaitable[float]]
     block: bool
+    #: Whether the view answers OPTIONS without running its own code (Django's and DRF's
+    #: class-based views): only there is OPTIONS left uncounted by default.
+    options_free: bool = False
 
     def request_for(self, request: HttpRequest) -> LimitRequest | None:
         """Return what ``request`` takes from this limit, or None when it does not count."""
@@ -230,8 +297,9 @@ class _ViewLimit:
     def counts(self, request: HttpRequest) -> bool:
         """Whether this limit counts requests of ``request``'s method."""
         if self.methods is None:
-            # A CORS preflight is the browser's, not the user's, request.
-            return request.method != "OPTIONS" or bool(tokenbucket_settings.COUNT_OPTIONS)
+            # A CORS preflight is the browser's, not the user's, request, and free where
+            # the framework answers it; a function view would run its work for it.
+            return request.method != "OPTIONS" or not self.options_free or bool(tokenbucket_settings.COUNT_OPTIONS)
         return request.method in self.methods
 
     def awaits(self) -> bool:
@@ -326,6 +394,22 @@ def _user_loaded(request: HttpRequest) -> bool:
 
 def _apply(request: HttpRequest, decided: list[tuple[_ViewLimit, Status]]) -> HttpResponseBase | None:
     """Record the decisions on ``request``; return the 429 when a blocking limit refused it."""
+    longest = record_decisions(request, decided)
+    if longest is None:
+        return None
+    return add_ratelimit_headers(rate_limited_response(request, longest), request.ratelimits)  # type: ignore[attr-defined]
+
+
+def decide_view_limits(request: HttpRequest, chain: tuple[_ViewLimit, ...]) -> Status | None:
+    """Decide the limits of ``chain`` not yet decided for ``request``, all-or-nothing; record
+    them on the request and return the denial that blocks it, None when nothing does."""
+    pending = _pending(request, chain, chain[0])
+    return record_decisions(request, _decide(request, pending) if pending else [])
+
+
+def record_decisions(request: HttpRequest, decided: list[tuple[_ViewLimit, Status]]) -> Status | None:
+    """Set ``request.limited``, ``request.ratelimit`` and ``request.ratelimits``; return the
+    denial that blocks the request (the longest wait), None when nothing blocks it."""
     statuses = [status for _, status in decided]
     request.ratelimits = [*getattr(request, "ratelimits", []), *statuses]  # type: ignore[attr-defined]
     denied = [status for status in statuses if not status.ok]
@@ -338,8 +422,7 @@ def _apply(request: HttpRequest, decided: list[tuple[_ViewLimit, Status]]) -> Ht
     if not blocking:
         return None
     # The longest wait: the request succeeds only when every limit has room (None: never).
-    longest = max(blocking, key=lambda status: math.inf if status.retry_after is None else status.retry_after)
-    return add_ratelimit_headers(rate_limited_response(request, longest), request.ratelimits)  # type: ignore[attr-defined]
+    return max(blocking, key=lambda status: math.inf if status.retry_after is None else status.retry_after)
 
 
 def _with_headers(request: HttpRequest, response: HttpResponseBase) -> HttpResponseBase:
@@ -363,7 +446,7 @@ def _default_name(
     A second inline limit stacked on the same view gets its own name, told apart by what
     differs (rate, methods, key), so that it never shares the bucket of the first.
     """
-    base = f"{view.__module__}.{view.__qualname__}"
+    base = _view_path(view)
     taken = {limit.name for limit in below}
     if base not in taken:
         return base

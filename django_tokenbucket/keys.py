@@ -3,7 +3,10 @@
 The stored key is the HMAC-SHA-256 hex digest of an injective, type-tagged encoding, so
 any key (a 1 MB string, bytes, a lone surrogate, NUL) fits one 64-character ASCII
 column, collations that fold case or accents cannot merge two keys, and ``("a:b", "c")``
-never meets ``("a", "b:c")``. The HMAC's secret (``TOKENBUCKET["KEY_SECRET"]``, by
+never meets ``("a", "b:c")``. An int and a UUID are encoded as the text they print as, so
+``("user", 42)`` and ``("user", "42")`` are one bucket, and so are a user's UUID and its
+string: code that passes ``user.pk`` and code that passes ``str(user.pk)`` meet, whatever
+type the project's primary keys have. The HMAC's secret (``TOKENBUCKET["KEY_SECRET"]``, by
 default derived from ``SECRET_KEY``) means a digest in a row, a log line or a backup
 cannot be turned back into the key by trying guesses (an IPv4 address, a username).
 
@@ -18,14 +21,49 @@ import hashlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Union
+from uuid import UUID
 
 from django.conf import settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-__all__ = ["LABEL_LENGTH", "SECRET_KINDS", "EncodedKey", "Key", "encode_key", "is_request_data_key"]
+__all__ = [
+    "LABEL_LENGTH",
+    "SECRET_KINDS",
+    "EncodedKey",
+    "Key",
+    "Redacted",
+    "encode_key",
+    "is_request_data_key",
+    "unredacted",
+]
 
-Key = Union[None, str, bytes, int, tuple["Key", ...]]
+Key = Union[None, str, bytes, int, UUID, tuple["Key", ...]]
+
+
+class Redacted(str):
+    """A str that a request sent (a header, a form field), kept out of messages and logs.
+
+    It equals, hashes and encodes as the plain str, so it keys the same bucket; only its
+    ``repr()`` and ``str()`` hide it, so an exception message, a log line or a debug page
+    that shows a key shows ``<redacted>`` instead of an API key or a typed password. The
+    keys the library builds from request data hold their values this way; wrap a key of
+    your own in it when it is a secret.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<redacted>"
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return format("<redacted>", spec)
+
+    def __reduce__(self) -> tuple[type[Redacted], tuple[str]]:
+        # Pickled with its value (a Celery reservation carries its key to the worker).
+        return (Redacted, (str.__str__(self),))
 
 #: How much of a key is kept, readable, beside its digest (for the admin and logs).
 LABEL_LENGTH = 64
@@ -51,15 +89,21 @@ def _encode(key: object, out: bytearray) -> None:
         data = bytes(key)
         tag = b"b"
     elif isinstance(key, int):
+        # As its digits: the same bucket as the str a project may pass instead.
         data = str(key).encode()
-        tag = b"i"
+        tag = b"s"
+    elif isinstance(key, UUID):
+        data = str(key).encode()
+        tag = b"s"
     elif isinstance(key, (tuple, list)):
         out += b"t%d:" % len(key)
         for part in key:
             _encode(part, out)
         return
     else:
-        raise TypeError(f"a key must be None, str, bytes, int or a tuple of these, not {type(key).__name__}")
+        raise TypeError(
+            f"a key must be None, str, bytes, int, UUID or a tuple of these, not {type(key).__name__}"
+        )
     out += tag + b"%d:" % len(data) + data
 
 
@@ -75,12 +119,34 @@ def is_request_data_key(key: object) -> bool:
     )
 
 
+def unredacted(key: object) -> object:
+    """Return ``key`` with every Redacted part as a plain str: for showing a key to whoever typed it."""
+    if isinstance(key, Redacted):
+        return str.__str__(key)
+    if isinstance(key, tuple):
+        return tuple(unredacted(part) for part in key)
+    return key
+
+
+def _shown(key: object) -> str:
+    """Return ``key`` as the admin and logs show it: a UUID as its text, a Redacted value hidden."""
+    if isinstance(key, tuple):
+        return "(" + ", ".join(_shown(part) for part in key) + ("," if len(key) == 1 else "") + ")"
+    if isinstance(key, UUID):
+        return repr(str(key))
+    return repr(key)
+
+
 def _label(key: object) -> str:
     if is_request_data_key(key) and key[1] is not None:  # type: ignore[index]
         # Without a value, ("post:username", None, "ip", address) is keyed by the address.
         text = f"{key[0]}=… (value not stored)"  # type: ignore[index]
+    elif isinstance(key, Redacted):
+        text = "<redacted>"
+    elif isinstance(key, str):
+        text = key
     else:
-        text = key if isinstance(key, str) else ("" if key is None else repr(key))
+        text = "" if key is None else _shown(key)
     head = text[:LABEL_LENGTH]
     if head.isprintable():
         # Nothing to escape, as for most keys: skip the per-character pass below.
@@ -149,11 +215,13 @@ def _cacheable_pair(key: tuple[object, ...]) -> bool:
     if len(key) != 2:
         return False
     kind, value = key
-    return (
-        type(kind) is str
-        and len(kind) <= _RECENT_KEY_LENGTH
-        and (type(value) is int or (type(value) is str and len(value) <= _RECENT_KEY_LENGTH))
-    )
+    if type(kind) is not str or len(kind) > _RECENT_KEY_LENGTH:
+        return False
+    if type(value) is Redacted:
+        # Only where the label hides the value whatever its type: the str's entry is
+        # found for the Redacted value, and its label must not show what Redacted hides.
+        return len(value) <= _RECENT_KEY_LENGTH and kind.startswith(SECRET_KINDS)
+    return type(value) is int or (type(value) is str and len(value) <= _RECENT_KEY_LENGTH)
 
 
 def encode_key(key: object) -> EncodedKey:

@@ -22,7 +22,7 @@ from .algorithms import (
     State,
     algorithm_named,
 )
-from .rates import parse_period, parse_rate, to_fraction
+from .rates import parse_period, parse_rate, shown, to_fraction
 
 __all__ = ["FIXED_WINDOW", "MAX_SHARDS", "TOKEN_BUCKET", "LimitConfig", "count_to_micro", "parse_limit", "to_micro"]
 
@@ -43,9 +43,9 @@ def to_micro(amount: Fraction, what: str, given: object) -> int:
     """
     micro = amount * MICRO
     if micro.denominator != 1:
-        raise ValueError(f"{what} must have at most 6 decimal places, not {given!r}")
+        raise ValueError(f"{what} must have at most 6 decimal places, not {shown(given)}")
     if abs(micro) > MAX_AMOUNT:
-        raise ValueError(f"{what} must be at most {MAX_AMOUNT // MICRO:,} tokens, not {given!r}")
+        raise ValueError(f"{what} must be at most {MAX_AMOUNT // MICRO:,} tokens, not {shown(given)}")
     return int(micro)
 
 
@@ -170,18 +170,18 @@ class LimitConfig:
         if not reserve and micro > self.max_plain_count:
             if self.shards > 1:
                 raise ValueError(
-                    f"rate limit {self.name!r}: count {count!r} exceeds what two of its "
+                    f"rate limit {self.name!r}: count {shown(count)} exceeds what two of its "
                     f"{self.shards} shards hold ({self.max_plain_count / MICRO:g}) and could never "
                     f"succeed; use fewer shards or raise the capacity"
                 )
             raise ValueError(
-                f"rate limit {self.name!r}: count {count!r} exceeds the capacity "
+                f"rate limit {self.name!r}: count {shown(count)} exceeds the capacity "
                 f"{self.capacity_tokens:g} and could never succeed; pass reserve=True "
                 f"to reserve tokens ahead, or raise the capacity"
             )
         if reserve and self.max_count is not None and micro > self.max_count:
             raise ValueError(
-                f"rate limit {self.name!r}: count {count!r} exceeds capacity + "
+                f"rate limit {self.name!r}: count {shown(count)} exceeds capacity + "
                 f"max_reserved ({self.max_count / MICRO:g}) and could never succeed"
             )
         return micro
@@ -191,7 +191,7 @@ def count_to_micro(count: object) -> int:
     """Return a count of tokens (taken, refunded) in micro-tokens; ValueError unless positive and exact."""
     amount = to_fraction(count, "count")
     if amount <= 0:
-        raise ValueError(f"count must be positive, not {count!r}")
+        raise ValueError(f"count must be positive, not {shown(count)}")
     return to_micro(amount, "count", count)
 
 

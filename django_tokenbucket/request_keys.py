@@ -6,19 +6,30 @@ account is one bucket. The keys themselves are encoded in ``keys``."""
 
 from __future__ import annotations
 
+import json
+import sys
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
 from .ip import client_ip
+from .keys import Redacted
 from .settings import tokenbucket_settings
 
-__all__ = ["KeySpec", "key_from_text", "normalize_identity", "request_key", "validate_key_spec"]
+__all__ = [
+    "MAX_IDENTITY_LENGTH",
+    "KeySpec",
+    "key_from_text",
+    "normalize_identity",
+    "posted_field",
+    "request_key",
+    "validate_key_spec",
+]
 
 #: What a ``key=`` may be: a spec string ("ip", "user", "user_or_ip", "header:<name>",
 #: "get:<param>", "post:<field>", a dotted path) or a callable ``(request) -> key``.
@@ -28,22 +39,76 @@ _SIMPLE_KEYS = ("ip", "user", "user_or_ip", "username")
 _FIELD_KEYS = ("header", "get", "post")
 
 
+#: How much of an identity a request sends is read: the first 1,024 characters once
+#: surrounding whitespace is removed. Four times the longest address Django's EmailField
+#: takes (254), so an account name in any canonical spelling (a character decomposes into
+#: at most four) is read whole; longer values name no account, and cutting them bounds
+#: the Unicode normalisation, which is quadratic in a run of combining marks (160 KB of
+#: them cost seconds of CPU per request). Values that differ only past this point share a
+#: bucket: a limit can only get stricter for them, never looser.
+MAX_IDENTITY_LENGTH = 1024
+
+
 def normalize_identity(value: str) -> str:
     """Return the one spelling of an identity a request sent: NFKC, stripped, case-folded.
 
     Django's login strips the username and NFKC-normalises it, and MySQL/MariaDB
     collations ignore case, so ``" ＶＩＣＴＩＭ"`` logs in as ``victim``: every such
     spelling must meet one bucket, or an attacker multiplies an account's limit by
-    rewriting the name. ``TOKENBUCKET["FOLD_KEY_CASE"] = False`` keeps case.
+    rewriting the name. ``TOKENBUCKET["FOLD_KEY_CASE"] = False`` keeps case. Only the
+    first ``MAX_IDENTITY_LENGTH`` characters (after stripping) are read.
     """
-    text = unicodedata.normalize("NFKC", value).strip()
+    # Stripped before it is cut, so that padding cannot push a real name past the cut.
+    text = unicodedata.normalize("NFKC", value.strip()[:MAX_IDENTITY_LENGTH]).strip()
     return text.casefold() if tokenbucket_settings.FOLD_KEY_CASE else text
 
 
 def _username(request: HttpRequest) -> str | None:
-    field = get_user_model().USERNAME_FIELD
-    value = request.POST.get(field)
-    return None if value is None else str(value)
+    return posted_field(request, get_user_model().USERNAME_FIELD)
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether a body of ``content_type`` is JSON: ``application/json`` or ``application/*+json``."""
+    return content_type is not None and (content_type == "application/json" or content_type.endswith("+json"))
+
+
+def _body_fields(request: HttpRequest) -> Any:
+    """Return what the view will read the body's fields from: a mapping, or None.
+
+    On a DRF view that is DRF's parsed ``request.data`` (JSON, forms, any parser of the
+    view's); a parse error is DRF's to answer (400), as it would be in the view. On a
+    Django view, a JSON body is parsed (and kept on the request for the other limits),
+    else the form data of ``request.POST``.
+    """
+    drf_request = sys.modules.get("rest_framework.request")
+    if drf_request is not None and isinstance(request, drf_request.Request):
+        return request.data
+    if not _is_json(request.content_type):
+        return request.POST
+    if "_tokenbucket_json" not in request.__dict__:
+        try:
+            parsed = json.loads(request.body)
+        except (ValueError, RecursionError):
+            parsed = None  # the view cannot read it either: no field, keyed by address
+        request.__dict__["_tokenbucket_json"] = parsed
+    return request.__dict__["_tokenbucket_json"]
+
+
+def posted_field(request: HttpRequest, field: str) -> str | None:
+    """Return body field ``field`` as the view reads it (form or JSON, DRF's ``request.data``), or None.
+
+    A number counts as its text (DRF's CharField accepts one); a list, an object, a
+    bool or null is no identity, as the view's form or serializer would reject it.
+    """
+    data = _body_fields(request)
+    if not isinstance(data, Mapping):
+        return None
+    value = data.get(field)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return None
 
 
 def _user_or_ip(request: HttpRequest) -> tuple[str, object]:
@@ -79,11 +144,13 @@ def request_key(request: HttpRequest, spec: KeySpec) -> object:
         elif kind == "get":
             value = request.GET.get(field)
         else:
-            value = request.POST.get(field)
+            value = posted_field(request, field)
         value = None if value is None else normalize_identity(value)
         if not value:
             return (spec, None, "ip", client_ip(request))
-        return (spec, value)
+        # Redacted: a header or a field may be a secret (an API key, a password typed in
+        # the username box), and a key is shown in exception messages and signals.
+        return (spec, Redacted(value))
     if "." in spec:
         return request_key(request, _import_key_function(spec))
     raise ImproperlyConfigured(
@@ -107,12 +174,19 @@ def key_from_text(text: str) -> object | None:
     if spec == "ip":
         return ("ip", value.strip())
     if spec == "user":
-        value = value.strip()
-        return ("user", int(value) if value.isdecimal() else value)
+        return ("user", _user_pk(value.strip()))
     kind, _, field = spec.partition(":")
     if spec == "username" or (kind in _FIELD_KEYS and field):
-        return (spec, normalize_identity(value))
+        return (spec, Redacted(normalize_identity(value)))
     return None
+
+
+def _user_pk(text: str) -> object:
+    """Return a user id typed as text as the user model's primary key holds it (a UUID, an int...)."""
+    try:
+        return get_user_model()._meta.pk.to_python(text)
+    except ValidationError:
+        return text
 
 
 def _import_key_function(path: str) -> Callable[[HttpRequest], Any]:

@@ -43,8 +43,9 @@ from rest_framework.throttling import BaseThrottle
 from . import clock, registry
 from .algorithms import MICRO
 from .api import LimitRequest, limiter
+from .decorators import decide_view_limits
 from .exceptions import BackendUnavailable, RateLimited
-from .http import add_ratelimit_headers
+from .http import add_ratelimit_headers, ratelimit_headers
 from .ip import client_address, ip_key
 from .limits import LimitConfig
 from .logs import throttled_logger
@@ -62,6 +63,7 @@ __all__ = [
     "UserRateThrottle",
     "declared_throttle_rates",
     "exception_handler",
+    "limit_after_authentication",
 ]
 
 logger = logging.getLogger("django_tokenbucket")
@@ -325,6 +327,49 @@ class SimpleRateThrottle(BaseThrottle):
         if available <= 0:
             return None
         return float(remaining) / float(available)
+
+
+def limit_after_authentication(view_class: type, limits: tuple[Any, ...]) -> None:
+    """Decide ``@ratelimit``'s ``limits`` on a DRF view right after DRF authenticates, in place.
+
+    ``perform_authentication`` is where DRF's request first knows its user (a token's,
+    a JWT's, the session's) and can parse its body. The limits are decided there whether
+    authentication succeeded or failed, and before permissions and throttles, so that a
+    request DRF then refuses (401, 403) has spent its token, as a guessed credential must:
+    a request whose credentials fail is keyed as anonymous (``"user"`` falls back to its
+    address). A refused request gets DRF's 429 with ``Retry-After``; a failed store, 503.
+    """
+    view_class._tokenbucket_chain = limits  # type: ignore[attr-defined]
+    original = view_class.perform_authentication  # type: ignore[attr-defined]
+    if getattr(original, "decides_view_limits", False):
+        return  # a decorated class, or a subclass of one: the method reads the class's chain
+
+    def perform_authentication(self: Any, request: DRFRequest) -> None:
+        try:
+            original(self, request)
+        except APIException:
+            _decide_view_limits(self, request)  # a failed credential counts, as anonymous
+            raise
+        _decide_view_limits(self, request)
+
+    perform_authentication.decides_view_limits = True  # type: ignore[attr-defined]
+    view_class.perform_authentication = perform_authentication  # type: ignore[attr-defined]
+
+
+def _decide_view_limits(view: Any, request: DRFRequest) -> None:
+    # The most derived class's limits: a decorated subclass of a decorated view adds its own.
+    chain = type(view)._tokenbucket_chain
+    try:
+        blocking = decide_view_limits(request, chain)
+    except BackendUnavailable as exc:
+        _no_store(view)
+        raise ServiceUnavailable() from exc
+    headers = getattr(view, "headers", None)
+    if tokenbucket_settings.HEADERS and isinstance(headers, dict):
+        headers.update(ratelimit_headers(request.ratelimits))  # type: ignore[attr-defined]
+    if blocking is not None:
+        _no_store(view)
+        raise Throttled(wait=blocking.retry_after)
 
 
 def _no_store(view: Any) -> bool:

@@ -31,9 +31,9 @@ from ...backends import get_backend, redis_backend
 from ...backends.base import BaseBackend
 from ...exceptions import BackendUnavailable
 from ...ip import client_address, parse_ip
-from ...keys import encode_key
+from ...keys import Redacted, encode_key
 from ...limits import LimitConfig
-from ...request_keys import normalize_identity
+from ...request_keys import normalize_identity, posted_field
 from ...settings import tokenbucket_settings
 from ...status import Status
 from . import ALL, UNSAFE
@@ -134,7 +134,8 @@ def _header(request: HttpRequest, name: str) -> str:
 
 _ACCESSOR_KEYS: dict[str, Callable[[HttpRequest, str], str]] = {
     "get": lambda request, field: request.GET.get(field, ""),
-    "post": lambda request, field: request.POST.get(field, ""),
+    # As the view reads it: a JSON body too, DRF's parsed data on a DRF request.
+    "post": lambda request, field: posted_field(request, field) or "",
     "header": _header,
 }
 
@@ -174,7 +175,7 @@ def _key_value(group: str, request: HttpRequest, key: Any) -> object:
             raise ImproperlyConfigured(f"Unknown ratelimit key: {key}")
         # Normalised as the native decorator's keys are (every spelling of one account is
         # one bucket), and tagged as request data, which is never stored in clear.
-        return (key, normalize_identity(_ACCESSOR_KEYS[accessor](request, field)))
+        return (key, Redacted(normalize_identity(_ACCESSOR_KEYS[accessor](request, field))))
     if "." in key:
         return import_string(key)(group, request)
     raise ImproperlyConfigured(f"Could not understand ratelimit key: {key}")

@@ -1,10 +1,11 @@
 """``manage.py tokenbucket list|show|reset|cleanup``: inspect and maintain rate limits.
 
 Keys on the command line are strings: ``tokenbucket show login alice`` is the bucket of
-``limiter.limit("login", key="alice")``. Keys passed in code as other types hash
-differently (``42`` and ``"42"`` are two buckets), so:
+``limiter.limit("login", key="alice")``; an int or a UUID key is the bucket of its text
+(``42`` and ``"42"`` are one bucket). Keys passed in code as other types hash
+differently, so:
 
-- ``--int KEY`` for an int key (``key=42``);
+- ``--int KEY`` checks that KEY is an integer (``key=42``, the same bucket as ``"42"``);
 - ``--json KEY`` for anything else JSON can say: ``null`` (the global bucket,
   ``key=None``), numbers, strings and arrays for tuples, e.g. ``'["ip", "203.0.113.7"]'``
   for the keys that ``@ratelimit(key="ip")`` and the DRF throttles use;
@@ -39,7 +40,7 @@ from ...api import limiter
 from ...backends import backend_aliases, get_backend
 from ...backends.base import BackendError, BaseBackend, BucketPage, Request, StoredBucket
 from ...cleanup import MAX_BATCH_SIZE, CleanupReport, cleanup, database_alias, unknown_names
-from ...keys import EncodedKey, encode_key
+from ...keys import EncodedKey, encode_key, unredacted
 from ...limits import LimitConfig
 from ...models import RateLimit
 from ...querysets import count_by_state
@@ -96,7 +97,9 @@ class Command(BaseCommand):
                 "key", nargs="?", help="The key, a string unless --int, --json or --digest is given."
             )
             forms = command.add_mutually_exclusive_group()
-            forms.add_argument("--int", action="store_true", dest="int_key", help="KEY is an integer key.")
+            forms.add_argument(
+                "--int", action="store_true", dest="int_key", help="KEY is an integer (its digits' bucket)."
+            )
             forms.add_argument("--json", action="store_true", dest="json_key", help=f"KEY is JSON ({_JSON_HINT}).")
             forms.add_argument(
                 "--digest", action="store_true", help="KEY is the stored key digest, or a unique prefix of it."
@@ -350,7 +353,7 @@ class Command(BaseCommand):
             return
         key = self._key(options)
         encoded = encode_key(key)
-        self.stdout.write(f"key {key!r} (digest {encoded.digest})")
+        self.stdout.write(f"key {unredacted(key)!r} (digest {encoded.digest})")
         self._print_live(self._live_from_backend(limit, encoded), self._stored(limit, encoded, database))
 
     def _show_summary(self, limit: LimitConfig, database: str | None) -> None:
@@ -397,7 +400,7 @@ class Command(BaseCommand):
         if not existed and self._live_from_backend(limit, encoded).value >= limit.capacity:
             # Saying "reset" here would tell an operator that a locked-out user is free.
             raise CommandError(
-                f"{name} key {key!r} has no state to reset (it reads full): nothing matched. Keys that "
+                f"{name} key {unredacted(key)!r} has no state to reset (it reads full): nothing matched. Keys that "
                 f"@ratelimit and the DRF throttles build are not plain strings: give them as --key SPEC=VALUE "
                 f"({_REQUEST_KEY_HINT}), or find the bucket in the admin and use --digest."
             )
@@ -406,7 +409,8 @@ class Command(BaseCommand):
                 limiter.backend(limit).reset(config, part)
         except BackendError as exc:
             raise CommandError(f"the store failed: {exc}") from exc
-        self.stdout.write(f"Reset {name} key {key!r}: it starts full again.")
+        # The operator typed the key: show it, normalised, as the bucket holds it.
+        self.stdout.write(f"Reset {name} key {unredacted(key)!r}: it starts full again.")
 
     def _reset_all(self, limit: LimitConfig, database: str | None, *, yes: bool, interactive: bool) -> None:
         if database is not None:
