@@ -220,28 +220,34 @@ def _limit_drf_view(
     authenticates the request and parses its body: ``key="user"`` would see the session's
     user (anonymous for a token or JWT client, so keyed by address) and ``post:`` fields
     an empty ``request.POST`` for JSON. See ``throttling.limit_after_authentication``. A
-    class is changed in place (as ``dispatch`` is for a Django view); a function from
-    ``as_view()`` or ``@api_view`` is made anew from a subclass, so that the class's
-    other routes are untouched.
+    class is changed in place (as ``dispatch`` is for a Django view). A function (from
+    ``as_view()`` or ``@api_view``, or any wrapper of one) stays as it is, and hands its
+    limits to the class through the request, so that the class's other routes are untouched.
     """
     from .throttling import limit_after_authentication  # DRF is loaded: the view is one of its views
 
-    below: tuple[_ViewLimit, ...] = getattr(view_class, "_tokenbucket_chain", ())
+    is_class = isinstance(view, type)
+    below: tuple[_ViewLimit, ...] = getattr(view_class, "_tokenbucket_chain", ()) if is_class else _chain_of(view)
     this = limit_of(view_class, below, _answers_options_itself(view_class))
-    if any(limit.awaits() for limit in (this, *below)):
+    chain = (this, *below)
+    if any(limit.awaits() for limit in chain):
         raise ImproperlyConfigured(
             f"@ratelimit on {_view_path(view_class)}: DRF authenticates synchronously; "
             f"an async def key= or count= cannot be awaited there"
         )
-    if isinstance(view, type):
-        limit_after_authentication(view, (this, *below))
+    if is_class:
+        limit_after_authentication(view_class, chain)
         return view
-    subclass: Any = type(view_class.__name__, (view_class,), {"__module__": view_class.__module__})
-    subclass.__qualname__ = view_class.__qualname__
-    limit_after_authentication(subclass, (this, *below))
-    actions = getattr(view, "actions", None)  # a ViewSet's as_view({"get": "list"})
-    initkwargs = getattr(view, "initkwargs", {})
-    return subclass.as_view(actions, **initkwargs) if actions is not None else subclass.as_view(**initkwargs)
+    limit_after_authentication(view_class)
+
+    def handing_over(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        # The outermost decorator runs first and hands over the whole stack.
+        request.__dict__.setdefault("_tokenbucket_drf_chain", chain)
+        return view(request, *args, **kwargs)
+
+    wrapped = functools.wraps(view)(handing_over)
+    wrapped._tokenbucket_chain = chain  # type: ignore[attr-defined]
+    return wrapped
 
 
 def _view_path(view: Any) -> str:

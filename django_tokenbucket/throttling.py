@@ -329,20 +329,24 @@ class SimpleRateThrottle(BaseThrottle):
         return float(remaining) / float(available)
 
 
-def limit_after_authentication(view_class: type, limits: tuple[Any, ...]) -> None:
-    """Decide ``@ratelimit``'s ``limits`` on a DRF view right after DRF authenticates, in place.
+def limit_after_authentication(view_class: type, limits: tuple[Any, ...] | None = None) -> None:
+    """Decide ``@ratelimit``'s limits on a DRF view right after DRF authenticates, in place.
 
-    ``perform_authentication`` is where DRF's request first knows its user (a token's,
-    a JWT's, the session's) and can parse its body. The limits are decided there whether
-    authentication succeeded or failed, and before permissions and throttles, so that a
-    request DRF then refuses (401, 403) has spent its token, as a guessed credential must:
-    a request whose credentials fail is keyed as anonymous (``"user"`` falls back to its
-    address). A refused request gets DRF's 429 with ``Retry-After``; a failed store, 503.
+    ``limits`` are the class's own (``@ratelimit`` on the class); a decorated function of
+    the class (``as_view()``, ``@api_view``) hands its limits over on the request instead,
+    so the class's other routes are untouched. ``perform_authentication`` is where DRF's
+    request first knows its user (a token's, a JWT's, the session's) and can parse its
+    body. The limits are decided there whether authentication succeeded or failed, and
+    before permissions and throttles, so that a request DRF then refuses (401, 403) has
+    spent its token, as a guessed credential must: a request whose credentials fail is
+    keyed as anonymous (``"user"`` falls back to its address). A refused request gets
+    DRF's 429 with ``Retry-After``; a failed store, 503.
     """
-    view_class._tokenbucket_chain = limits  # type: ignore[attr-defined]
+    if limits is not None:
+        view_class._tokenbucket_chain = limits  # type: ignore[attr-defined]
     original = view_class.perform_authentication  # type: ignore[attr-defined]
     if getattr(original, "decides_view_limits", False):
-        return  # a decorated class, or a subclass of one: the method reads the class's chain
+        return  # hooked already, here or on a base class: the hook reads the chain per request
 
     def perform_authentication(self: Any, request: DRFRequest) -> None:
         try:
@@ -357,8 +361,12 @@ def limit_after_authentication(view_class: type, limits: tuple[Any, ...]) -> Non
 
 
 def _decide_view_limits(view: Any, request: DRFRequest) -> None:
-    # The most derived class's limits: a decorated subclass of a decorated view adds its own.
-    chain = type(view)._tokenbucket_chain
+    # The limits a decorated function handed over, then the class's own (the most derived
+    # class's: a decorated subclass of a decorated view adds its own), all-or-nothing.
+    handed_over = getattr(request, "_request", request).__dict__.get("_tokenbucket_drf_chain", ())
+    chain = (*handed_over, *getattr(type(view), "_tokenbucket_chain", ()))
+    if not chain:
+        return
     try:
         blocking = decide_view_limits(request, chain)
     except BackendUnavailable as exc:

@@ -25,6 +25,7 @@ from django.http import HttpResponse
 from django.test import RequestFactory, override_settings
 from django.urls import path
 from django.utils.decorators import method_decorator
+from django.views.decorators.cache import never_cache
 from django.views.generic import View
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.decorators import api_view
@@ -297,6 +298,22 @@ def test_4_ratelimit_around_as_view_keys_the_user_and_leaves_the_class_alone(bac
     assert guesses(Profile.as_view(), token_requests()) == [200, 200, 200, 200]
 
 
+def test_4_a_wrapper_of_as_view_keeps_its_own_work(backend):
+    """A decorator between @ratelimit and as_view() (login_required, cache_control...) still runs."""
+
+    class Profile(APIView):
+        authentication_classes = [HeaderAuthentication]
+        throttle_classes = []
+
+        def get(self, request):
+            return Response("ok")
+
+    limited = ratelimit("two", key="user", rate="2/m")(never_cache(Profile.as_view()))
+    responses = [limited(token_requests()(address)) for address in ADDRESSES]
+    assert [r.status_code for r in responses] == [200, 200, 429, 429]
+    assert "no-cache" in responses[0]["Cache-Control"]  # never_cache ran
+
+
 class RejectingAuthentication(BaseAuthentication):
     """Rejects every credential it is given, as a wrong API token would be."""
 
@@ -527,3 +544,16 @@ def test_9_a_rate_string_of_thousands_of_digits_is_refused_with_its_limit_named(
     rate = "9" * 5000 + "/m"
     with pytest.raises(ImproperlyConfigured, match=r"rate limit 'plan': invalid rate '9999.*5,002 characters"):
         limiter.resolve("plan", {"rate": rate})
+
+
+def test_5_compat_counts_head_with_get(backend):
+    runs = []
+
+    @compat_ratelimit(key="ip", rate="2/m", method="GET", block=False)
+    def page(request):
+        runs.append(request.limited)
+        return HttpResponse("expensive page")
+
+    for request in [rf.head("/")] * 3 + [rf.get("/")]:
+        page(request)
+    assert runs == [False, False, True, True]  # was: HEAD never limited
