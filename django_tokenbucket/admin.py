@@ -51,14 +51,15 @@ from django.utils.translation import ngettext
 from .algorithms import MICRO, State
 from .backends import backend_aliases, get_backend
 from .backends.base import BackendError, BaseBackend, StoredBucket
+from .backends.database import database_now as store_now
+from .backends.database.filters import count_by_state, state_q
 from .keys import EncodedKey, encode_key
 from .limits import LimitConfig
+from .live import FULL, LIMITED, PARTIAL, LiveState, live_state
 from .models import RateLimit
-from .querysets import count_by_state, state_q
 from .registry import KnownLimit, known_limits
 from .request_keys import key_from_text
 from .shards import shard_key
-from .state import FULL, LIMITED, PARTIAL, LiveState, live_state, store_now
 from .text import describe_rate, format_duration, format_tokens
 
 __all__ = ["CappedPaginator", "RateLimitAdmin"]

@@ -35,11 +35,12 @@ from django.db.models import Count, Q
 
 from .algorithms import MICRO, State
 from .backends import get_backend
+from .backends.database import database_now as store_now
 from .backends.database import retrying
 from .limits import LimitConfig
+from .live import cleanup_span, is_idle
 from .models import RateLimit
 from .registry import known_limits
-from .state import cleanup_span, is_idle, store_now
 
 __all__ = ["MAX_BATCH_SIZE", "UNKNOWN_IDLE", "CleanupReport", "cleanup", "database_alias", "unknown_names"]
 

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from django_tokenbucket import admin as tb_admin
 from django_tokenbucket import limiter
 from django_tokenbucket.algorithms import MICRO, State
+from django_tokenbucket.backends.database.filters import count_by_state, state_q
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.limits import FIXED_WINDOW, TOKEN_BUCKET, LimitConfig
+from django_tokenbucket.live import FULL, LIMITED, PARTIAL, STATES, cleanup_span, live_state, one_token
 from django_tokenbucket.models import RateLimit
-from django_tokenbucket.querysets import count_by_state, state_q
-from django_tokenbucket.state import FULL, LIMITED, PARTIAL, STATES, cleanup_span, live_state, one_token
 from django_tokenbucket.testing import frozen_clock
 
 pytestmark = pytest.mark.django_db(transaction=True)

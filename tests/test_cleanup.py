@@ -16,9 +16,9 @@ from django_tokenbucket.algorithms import MICRO, State
 from django_tokenbucket.cleanup import cleanup
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.limits import parse_limit
+from django_tokenbucket.live import cleanup_span, is_idle
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.registry import INLINE, SETTINGS, THROTTLE_RATES, known_limits
-from django_tokenbucket.state import cleanup_span, is_idle
 from django_tokenbucket.testing import frozen_clock
 
 from .settings import TOKENBUCKET as BASE_SETTINGS

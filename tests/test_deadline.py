@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from django_tokenbucket.backends.deadline import watching
+from django_tokenbucket.backends.database.deadline import watching
 
 #: Scheduling on a busy 2-core machine, added to every deadline.
 SLACK_S = 0.5

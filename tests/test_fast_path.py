@@ -17,8 +17,8 @@ from django.test import override_settings
 from django_tokenbucket import RateLimited, limiter
 from django_tokenbucket.algorithms import MICRO
 from django_tokenbucket.backends import get_backend
-from django_tokenbucket.backends import redis as redis_backend
 from django_tokenbucket.backends.redis import RedisBackend, state_key
+from django_tokenbucket.backends.redis import backend as redis_backend
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.status import Status
 from django_tokenbucket.testing import frozen_clock

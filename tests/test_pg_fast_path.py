@@ -33,7 +33,7 @@ from django_tokenbucket.algorithms import MICRO, State
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.base import Request
 from django_tokenbucket.backends.database import DatabaseBackend
-from django_tokenbucket.backends.postgresql import (
+from django_tokenbucket.backends.database.postgresql import (
     _PRODUCT_BOUND,
     ADMIT_STATEMENT_MARK,
     FUNCTION_NAME,

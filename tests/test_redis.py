@@ -34,17 +34,9 @@ from django_tokenbucket.algorithms import MAX_AMOUNT, MICRO, Decision, State
 from django_tokenbucket.api import Limiter
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.base import BackendError, Outcome, Request
-from django_tokenbucket.backends.redis import (
-    BIGNUM_MARKER,
-    MAX_TTL_MS,
-    SCRIPT,
-    RedisBackend,
-    _client_retries,
-    _decision,
-    _make_outcome,
-    _msgpack,
-    state_key,
-)
+from django_tokenbucket.backends.redis import BIGNUM_MARKER, SCRIPT, RedisBackend, state_key
+from django_tokenbucket.backends.redis.connections import _client_retries
+from django_tokenbucket.backends.redis.script import MAX_TTL_MS, _decision, _make_outcome, _msgpack
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.limits import FIXED_WINDOW, LimitConfig, parse_limit
 from django_tokenbucket.testing import frozen_clock
@@ -203,7 +195,7 @@ def test_a_key_reset_elsewhere_is_admitted_at_once(counting):
 # answers "general path" where the whole script would go on: the boundary is seen exactly.
 
 COMMON_PATH_ONLY = (
-    resources.files("django_tokenbucket").joinpath("lua", "decide.lua").read_text(encoding="utf-8").partition(BIGNUM_MARKER)[0]
+    resources.files("django_tokenbucket.backends.redis").joinpath("lua", "decide.lua").read_text(encoding="utf-8").partition(BIGNUM_MARKER)[0]
     + 'return redis.error_reply("django_tokenbucket: the general path")\n'
 )
 

@@ -296,6 +296,6 @@ def test_limit_many_is_native_and_all_or_nothing():
 
 
 def _generation() -> int:
-    from django_tokenbucket.backends import redis as redis_backend_module
+    from django_tokenbucket.backends.redis import backend as redis_backend_module
 
     return redis_backend_module._settings_generation

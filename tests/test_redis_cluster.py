@@ -225,7 +225,7 @@ def test_async_decisions_run_on_the_asyncio_cluster_client(cluster, redis_backen
         with pytest.raises(ImproperlyConfigured, match="share one key"):
             await limiter.alimit_many([("login", "user-1"), ("burst", None)])
         await limiter.areset("burst", users[1])
-        from django_tokenbucket.backends import redis as redis_module
+        from django_tokenbucket.backends.redis import backend as redis_module
 
         return await redis_backend.asyncio_clients.client(redis_module._settings_generation)
 

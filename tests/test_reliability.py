@@ -49,9 +49,9 @@ from rest_framework.views import APIView
 
 from django_tokenbucket import BackendUnavailable, LimitRequest, limiter, signals
 from django_tokenbucket.algorithms import MICRO
-from django_tokenbucket.backends import database as database_module
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.database import DatabaseBackend, error_code
+from django_tokenbucket.backends.database import backend as database_module
 from django_tokenbucket.decorators import ratelimit
 from django_tokenbucket.http import ratelimit_headers
 from django_tokenbucket.keys import encode_key

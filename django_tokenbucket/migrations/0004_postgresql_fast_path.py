@@ -9,7 +9,7 @@ from typing import Any
 
 from django.db import migrations
 
-from django_tokenbucket.backends.postgresql import drop_sql, functions_sql, is_postgresql
+from django_tokenbucket.backends.database.postgresql import drop_sql, functions_sql, is_postgresql
 
 #: Each migration installs the version it was written for, never the current one.
 VERSION = 3

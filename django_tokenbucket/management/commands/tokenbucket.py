@@ -39,15 +39,16 @@ from ...algorithms import State
 from ...api import limiter
 from ...backends import backend_aliases, get_backend
 from ...backends.base import BackendError, BaseBackend, BucketPage, Request, StoredBucket
+from ...backends.database import database_now as store_now
+from ...backends.database.filters import count_by_state
 from ...cleanup import MAX_BATCH_SIZE, CleanupReport, cleanup, database_alias, unknown_names
 from ...keys import EncodedKey, encode_key, unredacted
 from ...limits import LimitConfig
+from ...live import FULL, LIMITED, PARTIAL, LiveState, live_state, one_token
 from ...models import RateLimit
-from ...querysets import count_by_state
 from ...registry import KnownLimit, known_limits
 from ...request_keys import key_from_text
 from ...shards import shard_configs, shard_key
-from ...state import FULL, LIMITED, PARTIAL, LiveState, live_state, one_token, store_now
 from ...text import describe_rate, format_duration, format_tokens
 
 _JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import logging
 import math
-import random
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from django.conf import settings
 from django.core import checks
@@ -33,13 +31,13 @@ from django.db import DatabaseError, OperationalError, connections, router, tran
 from django.db.models import Count
 from django.db.models.expressions import RawSQL
 
-from .. import clock
-from ..algorithms import State
-from ..keys import EncodedKey
-from ..limits import LimitConfig
-from ..models import RateLimit
-from ..settings import tokenbucket_settings
-from .base import (
+from ... import clock
+from ...algorithms import State
+from ...keys import EncodedKey
+from ...limits import LimitConfig
+from ...models import RateLimit
+from ...settings import tokenbucket_settings
+from ..base import (
     BackendError,
     BaseBackend,
     BucketPage,
@@ -60,16 +58,9 @@ from .postgresql import (
     decide_one,
     is_postgresql,
 )
+from .retry import RETRYABLE_ERRORS, error_code, lost_answer, retrying
 
-__all__ = [
-    "OPTION_DEFAULTS",
-    "RETRYABLE_ERRORS",
-    "DatabaseBackend",
-    "error_code",
-    "lost_answer",
-    "retrying",
-    "timeout_option",
-]
+__all__ = ["OPTION_DEFAULTS", "DatabaseBackend", "database_now", "timeout_option"]
 
 logger = logging.getLogger("django_tokenbucket")
 
@@ -79,59 +70,6 @@ _NOW_SQL = {
     "postgresql": "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::bigint",
     "mysql": "CAST(UNIX_TIMESTAMP(SYSDATE(6)) * 1000000 AS SIGNED)",
 }
-
-#: Errors after which the whole transaction may simply run again: serialization
-#: failures and deadlocks (PostgreSQL and distributed SQL), a unique violation from a
-#: creation race, InnoDB deadlocks and MariaDB's "record has changed".
-RETRYABLE_ERRORS = frozenset({"40001", "40P01", "23505", "1213", "1020"})
-
-
-T = TypeVar("T")
-
-
-def retrying(
-    alias: str,
-    work: Callable[[], T],
-    *,
-    atomic: bool = True,
-    retried: Counter[str] | None = None,
-    gave_up: Counter[str] | None = None,
-) -> T:
-    """Run ``work`` on database ``alias``, again after errors that only mean a collision.
-
-    The one retry policy of the package's database work (decisions, cleanup): up to
-    ``RETRY_ATTEMPTS`` runs, with full-jitter exponential backoff from
-    ``RETRY_BASE_DELAY`` capped at ``RETRY_MAX_DELAY`` (``RETRYABLE_ERRORS``: serialization
-    failures, deadlocks, creation races). Each run is a transaction of its own unless
-    ``atomic`` is false (a single autocommit statement is one already, and work that
-    opens its own may say so). ``retried`` and ``gave_up`` count by error code.
-    """
-    attempt = 0
-    while True:
-        try:
-            if not atomic:
-                return work()
-            with transaction.atomic(using=alias):
-                return work()
-        except DatabaseError as exc:
-            code = error_code(exc)
-            # A connection Django had to close (its rollback failed too) is lost, not
-            # in conflict: another attempt would reconnect outside the TIMEOUT watch.
-            if code not in RETRYABLE_ERRORS or connections[alias].connection is None:
-                raise
-            # The settings are read only here: every decision passes through this
-            # loop, and almost none fails.
-            if attempt >= max(1, int(tokenbucket_settings.RETRY_ATTEMPTS)) - 1:
-                if gave_up is not None:
-                    gave_up[code] += 1
-                raise
-            if retried is not None:
-                retried[code] += 1
-            cap = float(tokenbucket_settings.RETRY_MAX_DELAY)
-            # Full jitter: contenders that collided spread out instead of colliding again.
-            time.sleep(random.uniform(0, min(cap, float(tokenbucket_settings.RETRY_BASE_DELAY) * 2**attempt)))
-            attempt += 1
-
 
 #: The database backend's ``OPTIONS`` and their defaults (docs/settings.md).
 OPTION_DEFAULTS: dict[str, Any] = {
@@ -179,35 +117,6 @@ def _prepare_message(setting: str, value: Any) -> str:
 def database_now(alias: str) -> int:
     """Return the time (µs since the epoch) a decision on database ``alias`` would use."""
     return DatabaseBackend({"DATABASE": alias})._read_clock(alias)
-
-
-def lost_answer(exc: BaseException) -> bool:
-    """Whether a database error says nothing of what the server did with the statement.
-
-    A server that reports an error (it has a SQLSTATE, or a MySQL server error number)
-    rolled the statement back; a connection that failed (no code, SQLSTATE class 08,
-    MySQL client errors 2000-2999 such as 2013 "Lost connection") tells nothing, and
-    neither does 40003, "statement completion unknown" (CockroachDB's ambiguous result).
-    """
-    code = error_code(exc)
-    return (
-        code is None
-        or code.startswith("08")
-        or code == "40003"
-        or (code.isdigit() and 2000 <= int(code) < 3000)
-    )
-
-
-def error_code(exc: BaseException) -> str | None:
-    """Return the SQLSTATE (PostgreSQL) or error number (MySQL) behind a Django DatabaseError."""
-    cause = exc.__cause__ or exc
-    code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
-    if code:
-        return str(code)
-    args = getattr(cause, "args", ())
-    if args and isinstance(args[0], int):
-        return str(args[0])
-    return None
 
 
 class DatabaseBackend(BaseBackend):

@@ -28,18 +28,11 @@ digest and found by their exact key.
 
 from __future__ import annotations
 
-import hashlib
-import re
-import struct
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import replace
-from importlib import resources
-from typing import Any, NamedTuple, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
-from django.conf import settings
-from django.core import checks
 from django.core.cache import InvalidCacheBackendError, caches
 from django.core.cache.backends.base import default_key_func
 from django.core.exceptions import ImproperlyConfigured
@@ -48,101 +41,47 @@ from django.dispatch import receiver
 
 try:
     from django_redis import get_redis_connection
-    from django_redis.pool import ConnectionFactory
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(f"the Redis backend needs django-redis: pip install 'dj-tokenbucket[redis]' ({exc})") from exc
-from redis import __version__ as redis_version
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .. import clock
-from ..algorithms import CLOCK_SKEW_TOLERANCE, Decision, State
-from ..keys import EncodedKey
-from ..limits import LimitConfig
-from ..settings import tokenbucket_settings
-from . import is_django_redis
-from .base import BackendError, BaseBackend, BucketPage, Outcome, RecentDenials, Request, RowId, StoredBucket, row_id
-from .redis_asyncio import AsyncioClients, missing_cache_error, not_django_redis_error
+from ... import clock
+from ...keys import EncodedKey
+from ...limits import LimitConfig
+from ...settings import tokenbucket_settings
+from ..base import BackendError, BaseBackend, Outcome, RecentDenials, Request, RowId, row_id
+from .aio import AsyncioClients, missing_cache_error, not_django_redis_error
+from .checks import check_cache
+from .connections import ClusterConnectionFactory, _may_have_run, _pooled_connection, _single_server_pool
+from .keyspace import KeyspaceListing, _key_head, _node_clients, _state_key, state_key
+from .script import (
+    _FIELDS,
+    _HEADERS,
+    _INDEX_AND_COUNT,
+    _PINNED_HEADERS,
+    SCRIPT,
+    SCRIPT_SHA,
+    _capped,
+    _decision,
+    _make_outcome,
+    _microseconds,
+    _msgpack,
+    _parse_state,
+    _refund_request,
+)
 
-__all__ = ["BIGNUM_MARKER", "SCRIPT", "ClusterConnectionFactory", "RedisBackend", "state_key"]
+__all__ = ["RedisBackend"]
 
-#: The line of decide.lua that bignum.lua replaces.
-BIGNUM_MARKER = "--[[ bignum.lua ]]"
-
-
-def _joined_script() -> str:
-    """Return decide.lua with bignum.lua in its place: one script, sent and cached as one."""
-    lua = resources.files("django_tokenbucket").joinpath("lua")
-    head, marker, tail = lua.joinpath("decide.lua").read_text(encoding="utf-8").partition(BIGNUM_MARKER)
-    if not marker:  # pragma: no cover - a broken installation
-        raise RuntimeError(f"django_tokenbucket/lua/decide.lua has no {BIGNUM_MARKER!r} line")
-    return head + lua.joinpath("bignum.lua").read_text(encoding="utf-8") + tail
-
-
-#: The decision script, from the package data.
-SCRIPT = _joined_script()
-#: Its SHA-1, the name EVALSHA runs it by.
-SCRIPT_SHA = hashlib.sha1(SCRIPT.encode("utf-8")).hexdigest()
-
-#: Bounds of a key's TTL in milliseconds. The upper one only keeps Redis' expiry
-#: arithmetic in range: no bucket of a valid limit takes 285,000 years to refill.
-MIN_TTL_MS = 1
-MAX_TTL_MS = 2**53
-#: With a pinned test clock, pinned time and Redis' time disagree: a key must not
-#: expire (and read as full) while a test's pinned clock stands still.
-PINNED_CLOCK_MIN_TTL_MS = 3_600_000
 
 _OPTIONS = {"CACHE"}
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_FIELDS = 4
-#: MessagePack: an int64 (all the script's numbers but ``now`` and stored states fit one),
-#: and nil.
-_INT64 = struct.Struct(">Bq")
-_NIL = b"\xc0"
-#: A request's key index and count, the part of its argument that varies per call.
-_INDEX_AND_COUNT = struct.Struct(">BqBq")
 
 
-def _msgpack(*numbers: int | str | None) -> bytes:
-    """Return ``numbers`` as a MessagePack stream, which the script reads with cmsgpack.unpack."""
-    return b"".join(_NIL if n is None else _packed(n) for n in numbers)
-
-
-def _packed(value: int | str) -> bytes:
-    if isinstance(value, str):  # a kind's code: a short ASCII string (fixstr)
-        data = value.encode("ascii")
-        assert len(data) < 32
-        return bytes([0xA0 | len(data)]) + data
-    return _INT64.pack(0xD3, value)
-
-
-def _header(apply: bool, min_ttl_ms: int) -> bytes:
-    return _msgpack(int(apply), min_ttl_ms, MAX_TTL_MS, CLOCK_SKEW_TOLERANCE)
-
-
-#: The script's second argument (apply, TTL bounds, clock-skew tolerance), indexed by
-#: ``apply``, with the real clock and with a pinned test clock.
-_HEADERS = (_header(False, MIN_TTL_MS), _header(True, MIN_TTL_MS))
-_PINNED_HEADERS = (_header(False, PINNED_CLOCK_MIN_TTL_MS), _header(True, PINNED_CLOCK_MIN_TTL_MS))
 #: Limits whose arguments a backend keeps formatted.
 _LIMITS_CACHE_SIZE = 4096
 
-#: SCAN's COUNT hint for a page of buckets, and the SCAN calls one page may make: a
-#: page reads a bounded stretch of the keyspace, however few keys match there.
-SCAN_COUNT = 1000
-MAX_SCANS_PER_PAGE = 10
-#: Keys unlinked per command (or per pipeline on a cluster) by ``reset_all``.
-MAX_RESET_BATCH = 1000
-_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
-_STORED_DIGEST = re.compile(r"\{([0-9a-f]{16})\}([0-9a-f]{48})")
-_HEX = re.compile(r"[0-9a-f]*")
-#: Stands for the variable part of a key while finding what the cache's key function
-#: puts around it.
-_SENTINEL = "\x00django_tokenbucket\x00"
 
 #: Bumped whenever CACHES or TOKENBUCKET changes, so that every backend reloads its
 #: client, key prefix and clock.
@@ -185,29 +124,7 @@ class _Limit(NamedTuple):
     fresh_ts: bytes | None
 
 
-def state_key(config: LimitConfig, key: EncodedKey) -> str:
-    """Return the key of one limit's state before the cache's key function is applied.
-
-    Names made of ``[A-Za-z0-9_.-]`` (up to 64 characters) appear as they are; any
-    other name is replaced by ``~`` and its SHA-256, so keys stay short, free of
-    braces, and distinct for distinct names. The hash tag is the key's digest.
-    """
-    return _state_key(_key_head(config), key)
-
-
-def _key_head(config: LimitConfig) -> str:
-    name = config.name
-    if not _PLAIN_NAME.fullmatch(name):
-        name = "~" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
-    return f"tokenbucket:{name}:"
-
-
-def _state_key(head: str, key: EncodedKey) -> str:
-    digest = key.digest
-    return f"{head}{{{digest[:16]}}}{digest[16:]}"
-
-
-class RedisBackend(BaseBackend):
+class RedisBackend(KeyspaceListing, BaseBackend):
     """Store limits in Redis, using the client of a django-redis cache.
 
     Options: ``CACHE``, the alias in ``CACHES`` (default ``"default"``); it must be a
@@ -262,45 +179,7 @@ class RedisBackend(BaseBackend):
         policy is read with ``CONFIG GET``; when Redis is down or denies CONFIG (as
         managed services may), the check says nothing rather than guess.
         """
-        messages = super().check_options(options, setting)
-        alias = options.get("CACHE", "default")
-        hint = (
-            f"Point {setting}['OPTIONS']['CACHE'] at a cache whose BACKEND is 'django_redis.cache.RedisCache' "
-            "(pip install 'dj-tokenbucket[redis]')."
-        )
-        cache_settings: dict[str, Any] = getattr(settings, "CACHES", {})
-        if not isinstance(alias, str) or alias not in cache_settings:
-            messages.append(
-                checks.Error(
-                    f"{setting}['OPTIONS']['CACHE'] = {alias!r} is not an alias in CACHES.",
-                    hint=hint,
-                    id="django_tokenbucket.E020",
-                )
-            )
-            return messages
-        cache_backend = cache_settings[alias].get("BACKEND")
-        if not is_django_redis(cache_backend):
-            messages.append(
-                checks.Warning(
-                    f"The Redis rate-limit backend uses CACHES[{alias!r}], whose BACKEND {cache_backend!r} "
-                    f"is not a django-redis cache: every rate-limit call will fail.",
-                    hint=hint,
-                    id="django_tokenbucket.W020",
-                )
-            )
-            return messages
-        policy = _eviction_policy(alias)
-        if policy is not None and policy != "noeviction":
-            messages.append(
-                checks.Warning(
-                    f"The Redis behind CACHES[{alias!r}] has maxmemory-policy {policy!r}: when its memory is "
-                    f"full it may delete rate-limit keys, and a deleted bucket reads as full again.",
-                    hint="Set maxmemory-policy to 'noeviction' (a full Redis then fails calls, and "
-                    "FAIL_OPEN decides), or give the limits a Redis of their own.",
-                    id="django_tokenbucket.W021",
-                )
-            )
-        return messages
+        return [*super().check_options(options, setting), *check_cache(options, setting)]
 
     # -- public helpers (operations, tests) ---------------------------------------------
 
@@ -529,130 +408,6 @@ class RedisBackend(BaseBackend):
 
     # -- operations: listing, counting, resetting a whole limit --------------------------------
 
-    def list_buckets(
-        self, config: LimitConfig, *, cursor: str | None = None, page_size: int = 100, digest_prefix: str = ""
-    ) -> BucketPage:
-        """A page of SCAN results: at most ``MAX_SCANS_PER_PAGE`` SCAN calls with COUNT
-        ``page_size`` (10 to ``SCAN_COUNT``), stopping once ``page_size`` buckets are found.
-        SCAN returns about COUNT keys per call, so a page may hold a few more.
-
-        The cursor is "<primary index> <SCAN cursor>" (a cluster's primaries in name
-        order); a whole digest is one GET, no SCAN.
-        """
-        if not _HEX.fullmatch(digest_prefix) or len(digest_prefix) > 64:
-            raise ValueError(f"rate limit {config.name!r}: a digest prefix is lowercase hex, not {digest_prefix!r}")
-        try:
-            connection = self._connect()
-            outer = self._key_pattern(connection, _key_head(config))
-            nodes = _node_clients(connection.client)
-            if len(digest_prefix) == 64:
-                key = outer.key(_state_key("", EncodedKey(digest_prefix, "")))
-                keys = [key]
-                values = self._values(connection.client, keys)
-                return BucketPage(self._buckets(outer, keys, values), None, self.store_now())
-            node_index, scan_cursor = _parse_cursor(cursor, len(nodes), config)
-            pattern = outer.pattern(_digest_glob(digest_prefix))
-            found: dict[str, None] = {}
-            count = min(SCAN_COUNT, max(10, page_size))
-            for _ in range(MAX_SCANS_PER_PAGE):
-                client = nodes[node_index]
-                scan_cursor, keys = client.scan(cursor=scan_cursor, match=pattern, count=count)
-                found.update(dict.fromkeys(_text(key) for key in keys))
-                if int(scan_cursor) == 0:
-                    node_index, scan_cursor = node_index + 1, 0
-                    if node_index == len(nodes):
-                        break
-                if len(found) >= page_size:
-                    break
-            keys = list(found)
-            buckets = self._buckets(outer, keys, self._values(connection.client, keys))
-            now = self.store_now()
-        except (RedisError, RedisClusterException, OSError) as exc:
-            raise self._failed(exc) from exc
-        next_cursor = None if node_index == len(nodes) else f"{node_index} {int(scan_cursor)}"
-        return BucketPage(buckets, next_cursor, now)
-
-    def count_buckets(self, configs: Sequence[LimitConfig]) -> dict[str, int]:
-        """One SCAN of every ``tokenbucket:`` key (all of it, in pages): a walk over the
-        whole keyspace, for the command rather than for a page view."""
-        try:
-            connection = self._connect()
-            heads = {_key_head(config)[len("tokenbucket:") :]: config.name for config in configs}
-            outer = self._key_pattern(connection, "tokenbucket:")
-            seen: dict[str, set[str]] = {name: set() for name in heads.values()}
-            for key in self._scan_all(connection.client, outer.pattern("*")):
-                rest = outer.inner(key)
-                head, sep, digest = (rest or "").partition(":")
-                name = heads.get(head + sep)
-                if name is not None:
-                    seen[name].add(digest)
-        except (RedisError, RedisClusterException, OSError) as exc:
-            raise self._failed(exc) from exc
-        return {name: len(digests) for name, digests in seen.items()}
-
-    def reset_all(self, config: LimitConfig, *, batch_size: int = MAX_RESET_BATCH) -> int:
-        """UNLINK the limit's keys as SCAN finds them, ``batch_size`` at a time (one
-        command on a single Redis; one pipeline of single-key UNLINKs on a cluster node,
-        whose keys lie in many slots)."""
-        if not 1 <= batch_size <= MAX_RESET_BATCH:
-            raise ValueError(f"batch_size must be between 1 and {MAX_RESET_BATCH}, not {batch_size!r}")
-        deleted = 0
-        try:
-            connection = self._connect()
-            pattern = self._key_pattern(connection, _key_head(config)).pattern(_digest_glob(""))
-            cluster = isinstance(connection.client, RedisCluster)
-            for node in _node_clients(connection.client):
-                batch: list[str] = []
-                for key in _scan_node(node, pattern):
-                    batch.append(key)
-                    if len(batch) >= batch_size:
-                        deleted += _unlink(node, batch, cluster)
-                        batch = []
-                if batch:
-                    deleted += _unlink(node, batch, cluster)
-        except (RedisError, RedisClusterException, OSError) as exc:
-            raise self._failed(exc) from exc
-        return deleted
-
-    def _key_pattern(self, connection: _Connection, head: str) -> _KeyPattern:
-        """Find what the cache's key function puts around ``head`` + the variable part."""
-        made = str(connection.make_key(head + _SENTINEL))
-        before, found, after = made.partition(_SENTINEL)
-        if not found or _SENTINEL in after:
-            raise ImproperlyConfigured(
-                f"CACHES[{self.cache_alias!r}]['KEY_FUNCTION'] does not keep the end of a key as it is: "
-                f"the rate-limit buckets stored there cannot be listed (show and reset one key by its key)"
-            )
-        return _KeyPattern(before, after)
-
-    def _scan_all(self, client: Any, pattern: str) -> Iterator[str]:
-        for node in _node_clients(client):
-            yield from _scan_node(node, pattern)
-
-    @staticmethod
-    def _values(client: Any, keys: list[str]) -> list[Any]:
-        if not keys:
-            return []
-        if isinstance(client, RedisCluster):
-            # One pipeline of GETs, which the cluster client sends to each key's node.
-            pipe = cast(Any, client).pipeline()
-            for key in keys:
-                pipe.get(key)
-            return list(pipe.execute(raise_on_error=False))
-        return list(client.mget(keys))
-
-    @staticmethod
-    def _buckets(outer: _KeyPattern, keys: list[str], values: list[Any]) -> list[StoredBucket]:
-        buckets = []
-        for key, raw in zip(keys, values, strict=True):
-            if raw is None or isinstance(raw, Exception):  # expired (full again) since SCAN saw it
-                continue
-            digest = _digest_of(outer.inner(key) or "")
-            state = _parse_state(raw)
-            if digest is not None and state is not None:
-                buckets.append(StoredBucket(digest, "", state))
-        return sorted(buckets, key=lambda bucket: bucket.digest)
-
     # -- internals ------------------------------------------------------------------------
 
     def _failed(self, exc: BaseException, *, ambiguous: bool = False) -> BackendError:
@@ -822,219 +577,8 @@ class RedisBackend(BaseBackend):
         return _make_outcome(decisions, int(fields[0]))
 
 
-def _decision(allowed: bool, value: int, retry_after: int | None, full_after: int) -> Decision:
-    """Return ``Decision(allowed, value, retry_after, full_after, None)``, only faster.
-
-    A frozen dataclass's __init__ sets each field through ``object.__setattr__``; every
-    decision makes one, and filling ``__dict__`` at once costs a third as much (as
-    ``Status._decided`` does). tests/test_redis.py keeps the two equal.
-    """
-    decision: Decision = object.__new__(Decision)
-    decision.__dict__.update(allowed=allowed, value=value, retry_after=retry_after, full_after=full_after, state=None)
-    return decision
-
-
-def _make_outcome(decisions: list[Decision], now: int) -> Outcome:
-    """Return ``Outcome(decisions, now)``, as ``_decision`` makes a Decision."""
-    outcome: Outcome = object.__new__(Outcome)
-    outcome.__dict__.update(decisions=decisions, now=now)
-    return outcome
-
-
 def _app_clock() -> bool:
     """Whether the script is sent this host's time (``TOKENBUCKET["CLOCK"] == "app"``)."""
     return bool(tokenbucket_settings.CLOCK == "app")
 
 
-def _refund_request(config: LimitConfig, key: EncodedKey, amount: int) -> Request:
-    return Request(replace(config, max_reserved=None), key, -amount, reserve=True)
-
-
-def _capped(config: LimitConfig, outcome: Outcome) -> Outcome:
-    decision = outcome.decisions[0]
-    if decision.value > config.capacity:
-        decision = replace(decision, value=config.capacity, full_after=0)
-    return Outcome([decision], outcome.now)
-
-
-def _may_have_run(client: Any, exc: BaseException) -> bool:
-    """Whether the script may have run although the call on ``client`` failed (see ``_script_may_have_run``)."""
-    if _client_retries(client):
-        return True
-    if isinstance(exc, ResponseError):  # Redis answered: the script failed or never ran
-        return False
-    return isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and "connecting" not in str(exc)
-
-
-class _KeyPattern(NamedTuple):
-    """What the cache's key function puts before and after our part of a key."""
-
-    before: str
-    after: str
-
-    def key(self, inner: str) -> str:
-        return self.before + inner + self.after
-
-    def pattern(self, inner_glob: str) -> str:
-        """Return a SCAN MATCH pattern: the fixed parts escaped, ``inner_glob`` as it is."""
-        return _GLOB_SPECIAL.sub(r"\\\1", self.before) + inner_glob + _GLOB_SPECIAL.sub(r"\\\1", self.after)
-
-    def inner(self, key: str) -> str | None:
-        if not (key.startswith(self.before) and key.endswith(self.after)):
-            return None
-        return key[len(self.before) : len(key) - len(self.after)]
-
-
-def _digest_glob(prefix: str) -> str:
-    """The glob of the hash-tagged digests (``{<16 hex>}<48 hex>``) that start with ``prefix``."""
-    if len(prefix) < 16:
-        return "{" + prefix + "*"
-    return "{" + prefix[:16] + "}" + prefix[16:] + "*"
-
-
-def _digest_of(inner: str) -> str | None:
-    match = _STORED_DIGEST.fullmatch(inner.rpartition(":")[2])
-    return match.group(1) + match.group(2) if match else None
-
-
-def _single_server_pool(client: Any) -> Any:
-    """The connection pool of a client of one server (Sentinel's included), else None."""
-    if isinstance(client, (RedisCluster, AsyncRedisCluster)) or getattr(client, "connection", None) is not None:
-        return None  # a cluster, or a client holding a single connection of its own
-    return getattr(client, "connection_pool", None)
-
-
-def _pooled_connection(pool: Any) -> Any:
-    """A connection of ``pool`` (of the asyncio client: an awaitable of one)."""
-    # redis-py 5.3 deprecated the command name that earlier versions require.
-    return pool.get_connection() if _POOL_TAKES_NO_COMMAND else pool.get_connection("GET")
-
-
-_POOL_TAKES_NO_COMMAND = tuple(map(int, re.findall(r"\d+", redis_version)[:2])) >= (5, 3)
-
-
-def _microseconds(time_reply: Any) -> int:
-    """Return Redis' ``TIME`` reply (seconds, microseconds) in microseconds."""
-    seconds, micros = time_reply
-    return int(seconds) * 1_000_000 + int(micros)
-
-
-def _parse_state(raw: Any) -> State | None:
-    parts = _text(raw).split(" ")
-    if len(parts) != 2:
-        return None
-    try:
-        return State(int(parts[0]), int(parts[1]))
-    except ValueError:
-        return None
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
-
-
-def _node_clients(client: Any) -> list[Any]:
-    """Return a client per primary: the client itself, or each primary of a cluster (by name)."""
-    if not isinstance(client, RedisCluster):
-        return [client]
-    cluster: Any = client
-    primaries = sorted(cluster.get_primaries(), key=lambda node: node.name)
-    return [node.redis_connection or cluster.get_redis_connection(node) for node in primaries]
-
-
-def _parse_cursor(cursor: str | None, nodes: int, config: LimitConfig) -> tuple[int, int]:
-    if cursor is None:
-        return 0, 0
-    node, _, position = cursor.partition(" ")
-    try:
-        node_index, scan_cursor = int(node), int(position)
-    except ValueError:
-        node_index = scan_cursor = -1
-    if not 0 <= node_index < nodes or scan_cursor < 0:
-        raise ValueError(f"rate limit {config.name!r}: {cursor!r} is not a cursor of this store's listing")
-    return node_index, scan_cursor
-
-
-def _scan_node(node: Any, pattern: str) -> Iterator[str]:
-    scan_cursor = 0
-    while True:
-        scan_cursor, keys = node.scan(cursor=scan_cursor, match=pattern, count=SCAN_COUNT)
-        yield from (_text(key) for key in keys)
-        if int(scan_cursor) == 0:
-            return
-
-
-def _unlink(node: Any, keys: list[str], cluster: bool) -> int:
-    if not cluster:
-        return int(node.unlink(*keys))
-    # A cluster node refuses a command over keys of several slots (CROSSSLOT).
-    pipe = node.pipeline(transaction=False)
-    for key in keys:
-        pipe.unlink(key)
-    return sum(int(result) for result in pipe.execute())
-
-
-def _client_retries(client: Any) -> bool:
-    """Whether redis-py may send a command again after a connection error or timeout."""
-    if isinstance(client, (RedisCluster, AsyncRedisCluster)):
-        return True
-    options = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
-    retry = options.get("retry")
-    return bool(
-        options.get("retry_on_timeout")
-        or options.get("retry_on_error")
-        or (retry is not None and retry.get_retries() > 0)
-    )
-
-
-class ClusterConnectionFactory(ConnectionFactory):  # type: ignore[misc]
-    """A django-redis connection factory that returns redis-py's ``RedisCluster`` client.
-
-    Use it for a cache whose ``LOCATION`` is the URL of any node of a Redis Cluster::
-
-        CACHES["ratelimit"] = {
-            "BACKEND": "django_redis.cache.RedisCache",
-            "LOCATION": "redis://10.0.0.1:7000",
-            "OPTIONS": {"CONNECTION_FACTORY": "django_tokenbucket.backends.redis.ClusterConnectionFactory"},
-        }
-
-    ``PASSWORD``, ``USERNAME``, ``SOCKET_TIMEOUT``, ``SOCKET_CONNECT_TIMEOUT`` and
-    ``REDIS_CLIENT_KWARGS`` are passed on. One client per process and configuration is
-    shared, since each discovers the cluster's topology.
-    """
-
-    _clusters: dict[tuple[str, str], RedisCluster] = {}
-    _lock = threading.Lock()
-
-    def get_connection(self, params: dict[str, Any]) -> RedisCluster:
-        kwargs = {k: v for k, v in params.items() if k not in ("url", "parser_class")}
-        kwargs.update(self.redis_client_cls_kwargs)
-        cache_key = (str(params["url"]), repr(sorted(kwargs.items())))
-        with self._lock:
-            client = self._clusters.get(cache_key)
-            if client is None:
-                client = self._clusters[cache_key] = RedisCluster.from_url(params["url"], **kwargs)
-        return client
-
-    def disconnect(self, connection: Any) -> None:
-        connection.disconnect_connection_pools()
-
-
-def _eviction_policy(alias: str) -> str | None:
-    """Return Redis' maxmemory-policy, the first evicting one of a cluster's nodes, or None if unknown."""
-    try:
-        reply = get_redis_connection(alias).config_get("maxmemory-policy")
-    except Exception:  # down, CONFIG denied or renamed, not a Redis: nothing to report
-        return None
-    policies = []
-    pending: list[Any] = [reply]
-    while pending:  # a cluster client answers per node: {node: {name: value}}
-        item = pending.pop()
-        if isinstance(item, dict):
-            for name, value in item.items():
-                if isinstance(value, dict):
-                    pending.append(value)
-                elif (name.decode() if isinstance(name, bytes) else name) == "maxmemory-policy":
-                    policies.append(value.decode() if isinstance(value, bytes) else str(value))
-    evicting = sorted(p for p in policies if p != "noeviction")
-    return evicting[0] if evicting else (policies[0] if policies else None)

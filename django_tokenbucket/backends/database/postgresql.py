@@ -34,8 +34,8 @@ from typing import Any
 
 from django.db import DatabaseError
 
-from ..algorithms import CLOCK_SKEW_TOLERANCE, Decision, State, lowest_value, token_bucket_taken
-from .base import Outcome, Request, RowId, row_id
+from ...algorithms import CLOCK_SKEW_TOLERANCE, Decision, State, lowest_value, token_bucket_taken
+from ..base import Outcome, Request, RowId, row_id
 
 __all__ = [
     "ADMIT_STATEMENT_MARK",
@@ -83,7 +83,8 @@ PREPARE_MODES = ("auto", True, False)
 
 def functions_sql(version: int = FUNCTION_VERSION) -> str:
     """Return the SQL that creates the functions of ``version`` (run by their migration)."""
-    return resources.files("django_tokenbucket").joinpath(f"sql/postgresql_v{version}.sql").read_text()
+    sql = resources.files("django_tokenbucket.backends.database").joinpath("sql")
+    return sql.joinpath(f"postgresql_v{version}.sql").read_text()
 
 
 FUNCTIONS_SQL = functions_sql()

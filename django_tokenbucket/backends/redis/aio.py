@@ -63,7 +63,7 @@ from redis._parsers import (
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.connection import to_bool
 
-from . import is_django_redis
+from .. import is_django_redis
 
 __all__ = ["AsyncioClients", "missing_cache_error", "not_django_redis_error"]
 

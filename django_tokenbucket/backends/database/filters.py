@@ -12,8 +12,8 @@ from django.db.models import BooleanField, Count, DecimalField, F, Func, Q, Quer
 from django.db.models.functions import Cast, Mod
 from django.db.models.lookups import GreaterThanOrEqual
 
-from .limits import LimitConfig
-from .state import FULL, LIMITED, PARTIAL, STATES, one_token, refill_time
+from ...limits import LimitConfig
+from ...live import FULL, LIMITED, PARTIAL, STATES, one_token, refill_time
 
 __all__ = ["ProductsAtLeast", "at_least_q", "count_by_state", "state_q"]
 

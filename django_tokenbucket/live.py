@@ -1,9 +1,10 @@
-"""What a stored row means now: the live view shared by the admin, the command and cleanup.
+"""What a stored bucket holds now: the live view shared by the admin, the command and cleanup.
 
-A row holds ``(value, ts)``; the tokens it holds *now* follow from those two numbers,
-the limit's config and the store's clock. Everything here derives that with the same
-pure functions the backends decide with (``LimitConfig.decide``); ``querysets`` does
-the same for many rows at once, in SQL.
+A bucket is stored as ``(value, ts)`` (a database row, a Redis value); the tokens it
+holds *now* follow from those two numbers, the limit's config and the store's clock.
+Everything here derives that with the same pure functions the backends decide with
+(``LimitConfig.decide``); ``backends.database.filters`` does the same for many rows at
+once, in SQL.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .algorithms import MICRO, State
-from .backends.database import database_now
 from .limits import LimitConfig
 
 __all__ = [
@@ -25,7 +25,6 @@ __all__ = [
     "live_state",
     "one_token",
     "refill_time",
-    "store_now",
 ]
 
 LIMITED = "limited"
@@ -117,13 +116,3 @@ def cleanup_span(limit: LimitConfig) -> int:
 def refill_time(limit: LimitConfig, amount: int) -> int:
     """Return the time (µs) after which a row holding 0 or more holds at least ``amount``."""
     return limit.algorithm.refill_time(amount, limit.rate, limit.period)
-
-
-
-def store_now(alias: str) -> int:
-    """Return the time (µs since the epoch) the database backend would decide with on ``alias``.
-
-    The database's clock unless ``CLOCK`` is ``"app"`` (or a test froze the clock), so
-    that the admin, the command and cleanup see what the next decision would see.
-    """
-    return database_now(alias)

@@ -1,0 +1,90 @@
+"""The clients the backend talks through: Redis Cluster's connection factory, and what a
+client will do on its own when a command fails (retry it, or not).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+from django_redis.pool import ConnectionFactory
+from redis import __version__ as redis_version
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+__all__ = ["ClusterConnectionFactory"]
+
+
+class ClusterConnectionFactory(ConnectionFactory):  # type: ignore[misc]
+    """A django-redis connection factory that returns redis-py's ``RedisCluster`` client.
+
+    Use it for a cache whose ``LOCATION`` is the URL of any node of a Redis Cluster::
+
+        CACHES["ratelimit"] = {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": "redis://10.0.0.1:7000",
+            "OPTIONS": {"CONNECTION_FACTORY": "django_tokenbucket.backends.redis.ClusterConnectionFactory"},
+        }
+
+    ``PASSWORD``, ``USERNAME``, ``SOCKET_TIMEOUT``, ``SOCKET_CONNECT_TIMEOUT`` and
+    ``REDIS_CLIENT_KWARGS`` are passed on. One client per process and configuration is
+    shared, since each discovers the cluster's topology.
+    """
+
+    _clusters: dict[tuple[str, str], RedisCluster] = {}
+    _lock = threading.Lock()
+
+    def get_connection(self, params: dict[str, Any]) -> RedisCluster:
+        kwargs = {k: v for k, v in params.items() if k not in ("url", "parser_class")}
+        kwargs.update(self.redis_client_cls_kwargs)
+        cache_key = (str(params["url"]), repr(sorted(kwargs.items())))
+        with self._lock:
+            client = self._clusters.get(cache_key)
+            if client is None:
+                client = self._clusters[cache_key] = RedisCluster.from_url(params["url"], **kwargs)
+        return client
+
+    def disconnect(self, connection: Any) -> None:
+        connection.disconnect_connection_pools()
+
+
+def _client_retries(client: Any) -> bool:
+    """Whether redis-py may send a command again after a connection error or timeout."""
+    if isinstance(client, (RedisCluster, AsyncRedisCluster)):
+        return True
+    options = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    retry = options.get("retry")
+    return bool(
+        options.get("retry_on_timeout")
+        or options.get("retry_on_error")
+        or (retry is not None and retry.get_retries() > 0)
+    )
+
+
+def _may_have_run(client: Any, exc: BaseException) -> bool:
+    """Whether the script may have run although the call on ``client`` failed (see ``_script_may_have_run``)."""
+    if _client_retries(client):
+        return True
+    if isinstance(exc, ResponseError):  # Redis answered: the script failed or never ran
+        return False
+    return isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and "connecting" not in str(exc)
+
+
+def _single_server_pool(client: Any) -> Any:
+    """The connection pool of a client of one server (Sentinel's included), else None."""
+    if isinstance(client, (RedisCluster, AsyncRedisCluster)) or getattr(client, "connection", None) is not None:
+        return None  # a cluster, or a client holding a single connection of its own
+    return getattr(client, "connection_pool", None)
+
+
+def _pooled_connection(pool: Any) -> Any:
+    """A connection of ``pool`` (of the asyncio client: an awaitable of one)."""
+    # redis-py 5.3 deprecated the command name that earlier versions require.
+    return pool.get_connection() if _POOL_TAKES_NO_COMMAND else pool.get_connection("GET")
+
+
+_POOL_TAKES_NO_COMMAND = tuple(map(int, re.findall(r"\d+", redis_version)[:2])) >= (5, 3)

@@ -1,0 +1,286 @@
+"""Where a limit's state lives in Redis: key names, and finding them again with SCAN.
+
+Keys are ``tokenbucket:<name>:{<key digest[:16]>}<key digest[16:]>`` before the cache's
+key function: the braces are a Redis Cluster hash tag, so every limit of one key lives
+in one slot. The admin and the command list a limit's buckets by ``SCAN`` with a
+bounded ``COUNT`` on every primary, never ``KEYS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, cast
+
+from django.core.exceptions import ImproperlyConfigured
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
+
+from ...keys import EncodedKey
+from ...limits import LimitConfig
+from ..base import BucketPage, StoredBucket
+from .script import _parse_state, _text
+
+__all__ = ["MAX_RESET_BATCH", "SCAN_COUNT", "KeyspaceListing", "state_key"]
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def state_key(config: LimitConfig, key: EncodedKey) -> str:
+    """Return the key of one limit's state before the cache's key function is applied.
+
+    Names made of ``[A-Za-z0-9_.-]`` (up to 64 characters) appear as they are; any
+    other name is replaced by ``~`` and its SHA-256, so keys stay short, free of
+    braces, and distinct for distinct names. The hash tag is the key's digest.
+    """
+    return _state_key(_key_head(config), key)
+
+
+def _key_head(config: LimitConfig) -> str:
+    name = config.name
+    if not _PLAIN_NAME.fullmatch(name):
+        name = "~" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"tokenbucket:{name}:"
+
+
+def _state_key(head: str, key: EncodedKey) -> str:
+    digest = key.digest
+    return f"{head}{{{digest[:16]}}}{digest[16:]}"
+
+
+#: SCAN's COUNT hint for a page of buckets, and the SCAN calls one page may make: a
+#: page reads a bounded stretch of the keyspace, however few keys match there.
+SCAN_COUNT = 1000
+
+
+MAX_SCANS_PER_PAGE = 10
+
+
+#: Keys unlinked per command (or per pipeline on a cluster) by ``reset_all``.
+MAX_RESET_BATCH = 1000
+
+
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+
+_STORED_DIGEST = re.compile(r"\{([0-9a-f]{16})\}([0-9a-f]{48})")
+
+
+_HEX = re.compile(r"[0-9a-f]*")
+
+
+#: Stands for the variable part of a key while finding what the cache's key function
+#: puts around it.
+_SENTINEL = "\x00django_tokenbucket\x00"
+
+
+class _KeyPattern(NamedTuple):
+    """What the cache's key function puts before and after our part of a key."""
+
+    before: str
+    after: str
+
+    def key(self, inner: str) -> str:
+        return self.before + inner + self.after
+
+    def pattern(self, inner_glob: str) -> str:
+        """Return a SCAN MATCH pattern: the fixed parts escaped, ``inner_glob`` as it is."""
+        return _GLOB_SPECIAL.sub(r"\\\1", self.before) + inner_glob + _GLOB_SPECIAL.sub(r"\\\1", self.after)
+
+    def inner(self, key: str) -> str | None:
+        if not (key.startswith(self.before) and key.endswith(self.after)):
+            return None
+        return key[len(self.before) : len(key) - len(self.after)]
+
+
+def _digest_glob(prefix: str) -> str:
+    """The glob of the hash-tagged digests (``{<16 hex>}<48 hex>``) that start with ``prefix``."""
+    if len(prefix) < 16:
+        return "{" + prefix + "*"
+    return "{" + prefix[:16] + "}" + prefix[16:] + "*"
+
+
+def _digest_of(inner: str) -> str | None:
+    match = _STORED_DIGEST.fullmatch(inner.rpartition(":")[2])
+    return match.group(1) + match.group(2) if match else None
+
+
+def _node_clients(client: Any) -> list[Any]:
+    """Return a client per primary: the client itself, or each primary of a cluster (by name)."""
+    if not isinstance(client, RedisCluster):
+        return [client]
+    cluster: Any = client
+    primaries = sorted(cluster.get_primaries(), key=lambda node: node.name)
+    return [node.redis_connection or cluster.get_redis_connection(node) for node in primaries]
+
+
+def _parse_cursor(cursor: str | None, nodes: int, config: LimitConfig) -> tuple[int, int]:
+    if cursor is None:
+        return 0, 0
+    node, _, position = cursor.partition(" ")
+    try:
+        node_index, scan_cursor = int(node), int(position)
+    except ValueError:
+        node_index = scan_cursor = -1
+    if not 0 <= node_index < nodes or scan_cursor < 0:
+        raise ValueError(f"rate limit {config.name!r}: {cursor!r} is not a cursor of this store's listing")
+    return node_index, scan_cursor
+
+
+def _scan_node(node: Any, pattern: str) -> Iterator[str]:
+    scan_cursor = 0
+    while True:
+        scan_cursor, keys = node.scan(cursor=scan_cursor, match=pattern, count=SCAN_COUNT)
+        yield from (_text(key) for key in keys)
+        if int(scan_cursor) == 0:
+            return
+
+
+def _unlink(node: Any, keys: list[str], cluster: bool) -> int:
+    if not cluster:
+        return int(node.unlink(*keys))
+    # A cluster node refuses a command over keys of several slots (CROSSSLOT).
+    pipe = node.pipeline(transaction=False)
+    for key in keys:
+        pipe.unlink(key)
+    return sum(int(result) for result in pipe.execute())
+
+
+class KeyspaceListing:
+    """The admin's and the command's operations on a limit's keys: list, count, reset all.
+
+    Mixed into ``RedisBackend``, whose connection (``_connect``), clock (``store_now``)
+    and error mapping (``_failed``) they use.
+    """
+
+    # Provided by RedisBackend.
+    _connect: Any
+    _failed: Any
+    store_now: Any
+    client: Any
+    cache_alias: str
+
+    def list_buckets(
+        self, config: LimitConfig, *, cursor: str | None = None, page_size: int = 100, digest_prefix: str = ""
+    ) -> BucketPage:
+        """A page of SCAN results: at most ``MAX_SCANS_PER_PAGE`` SCAN calls with COUNT
+        ``page_size`` (10 to ``SCAN_COUNT``), stopping once ``page_size`` buckets are found.
+        SCAN returns about COUNT keys per call, so a page may hold a few more.
+
+        The cursor is "<primary index> <SCAN cursor>" (a cluster's primaries in name
+        order); a whole digest is one GET, no SCAN.
+        """
+        if not _HEX.fullmatch(digest_prefix) or len(digest_prefix) > 64:
+            raise ValueError(f"rate limit {config.name!r}: a digest prefix is lowercase hex, not {digest_prefix!r}")
+        try:
+            connection = self._connect()
+            outer = self._key_pattern(connection, _key_head(config))
+            nodes = _node_clients(connection.client)
+            if len(digest_prefix) == 64:
+                key = outer.key(_state_key("", EncodedKey(digest_prefix, "")))
+                keys = [key]
+                values = self._values(connection.client, keys)
+                return BucketPage(self._buckets(outer, keys, values), None, self.store_now())
+            node_index, scan_cursor = _parse_cursor(cursor, len(nodes), config)
+            pattern = outer.pattern(_digest_glob(digest_prefix))
+            found: dict[str, None] = {}
+            count = min(SCAN_COUNT, max(10, page_size))
+            for _ in range(MAX_SCANS_PER_PAGE):
+                client = nodes[node_index]
+                scan_cursor, keys = client.scan(cursor=scan_cursor, match=pattern, count=count)
+                found.update(dict.fromkeys(_text(key) for key in keys))
+                if int(scan_cursor) == 0:
+                    node_index, scan_cursor = node_index + 1, 0
+                    if node_index == len(nodes):
+                        break
+                if len(found) >= page_size:
+                    break
+            keys = list(found)
+            buckets = self._buckets(outer, keys, self._values(connection.client, keys))
+            now = self.store_now()
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise self._failed(exc) from exc
+        next_cursor = None if node_index == len(nodes) else f"{node_index} {int(scan_cursor)}"
+        return BucketPage(buckets, next_cursor, now)
+
+    def count_buckets(self, configs: Sequence[LimitConfig]) -> dict[str, int]:
+        """One SCAN of every ``tokenbucket:`` key (all of it, in pages): a walk over the
+        whole keyspace, for the command rather than for a page view."""
+        try:
+            connection = self._connect()
+            heads = {_key_head(config)[len("tokenbucket:") :]: config.name for config in configs}
+            outer = self._key_pattern(connection, "tokenbucket:")
+            seen: dict[str, set[str]] = {name: set() for name in heads.values()}
+            for key in self._scan_all(connection.client, outer.pattern("*")):
+                rest = outer.inner(key)
+                head, sep, digest = (rest or "").partition(":")
+                name = heads.get(head + sep)
+                if name is not None:
+                    seen[name].add(digest)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise self._failed(exc) from exc
+        return {name: len(digests) for name, digests in seen.items()}
+
+    def reset_all(self, config: LimitConfig, *, batch_size: int = MAX_RESET_BATCH) -> int:
+        """UNLINK the limit's keys as SCAN finds them, ``batch_size`` at a time (one
+        command on a single Redis; one pipeline of single-key UNLINKs on a cluster node,
+        whose keys lie in many slots)."""
+        if not 1 <= batch_size <= MAX_RESET_BATCH:
+            raise ValueError(f"batch_size must be between 1 and {MAX_RESET_BATCH}, not {batch_size!r}")
+        deleted = 0
+        try:
+            connection = self._connect()
+            pattern = self._key_pattern(connection, _key_head(config)).pattern(_digest_glob(""))
+            cluster = isinstance(connection.client, RedisCluster)
+            for node in _node_clients(connection.client):
+                batch: list[str] = []
+                for key in _scan_node(node, pattern):
+                    batch.append(key)
+                    if len(batch) >= batch_size:
+                        deleted += _unlink(node, batch, cluster)
+                        batch = []
+                if batch:
+                    deleted += _unlink(node, batch, cluster)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise self._failed(exc) from exc
+        return deleted
+
+    def _key_pattern(self, connection: Any, head: str) -> _KeyPattern:
+        """Find what the cache's key function puts around ``head`` + the variable part."""
+        made = str(connection.make_key(head + _SENTINEL))
+        before, found, after = made.partition(_SENTINEL)
+        if not found or _SENTINEL in after:
+            raise ImproperlyConfigured(
+                f"CACHES[{self.cache_alias!r}]['KEY_FUNCTION'] does not keep the end of a key as it is: "
+                f"the rate-limit buckets stored there cannot be listed (show and reset one key by its key)"
+            )
+        return _KeyPattern(before, after)
+
+    def _scan_all(self, client: Any, pattern: str) -> Iterator[str]:
+        for node in _node_clients(client):
+            yield from _scan_node(node, pattern)
+
+    @staticmethod
+    def _values(client: Any, keys: list[str]) -> list[Any]:
+        if not keys:
+            return []
+        if isinstance(client, RedisCluster):
+            # One pipeline of GETs, which the cluster client sends to each key's node.
+            pipe = cast(Any, client).pipeline()
+            for key in keys:
+                pipe.get(key)
+            return list(pipe.execute(raise_on_error=False))
+        return list(client.mget(keys))
+
+    @staticmethod
+    def _buckets(outer: _KeyPattern, keys: list[str], values: list[Any]) -> list[StoredBucket]:
+        buckets = []
+        for key, raw in zip(keys, values, strict=True):
+            if raw is None or isinstance(raw, Exception):  # expired (full again) since SCAN saw it
+                continue
+            digest = _digest_of(outer.inner(key) or "")
+            state = _parse_state(raw)
+            if digest is not None and state is not None:
+                buckets.append(StoredBucket(digest, "", state))
+        return sorted(buckets, key=lambda bucket: bucket.digest)

@@ -1,0 +1,144 @@
+"""The decision script: its source, the arguments it is sent and the replies it gives.
+
+``lua/decide.lua`` is the Redis port of ``algorithms`` (``algorithms.PORTS``); its numbers
+travel as MessagePack, packed here once per limit and per call, and its replies are
+read back into the ``Decision`` and ``Outcome`` the reference returns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import replace
+from importlib import resources
+from typing import Any
+
+from ...algorithms import CLOCK_SKEW_TOLERANCE, Decision, State
+from ...keys import EncodedKey
+from ...limits import LimitConfig
+from ..base import Outcome, Request
+
+__all__ = ["BIGNUM_MARKER", "MAX_TTL_MS", "MIN_TTL_MS", "SCRIPT", "SCRIPT_SHA"]
+
+#: The line of decide.lua that bignum.lua replaces.
+BIGNUM_MARKER = "--[[ bignum.lua ]]"
+
+
+def _joined_script() -> str:
+    """Return decide.lua with bignum.lua in its place: one script, sent and cached as one."""
+    lua = resources.files("django_tokenbucket.backends.redis").joinpath("lua")
+    head, marker, tail = lua.joinpath("decide.lua").read_text(encoding="utf-8").partition(BIGNUM_MARKER)
+    if not marker:  # pragma: no cover - a broken installation
+        raise RuntimeError(f"django_tokenbucket/backends/redis/lua/decide.lua has no {BIGNUM_MARKER!r} line")
+    return head + lua.joinpath("bignum.lua").read_text(encoding="utf-8") + tail
+
+
+#: The decision script, from the package data.
+SCRIPT = _joined_script()
+
+
+#: Its SHA-1, the name EVALSHA runs it by.
+SCRIPT_SHA = hashlib.sha1(SCRIPT.encode("utf-8")).hexdigest()
+
+
+#: Bounds of a key's TTL in milliseconds. The upper one only keeps Redis' expiry
+#: arithmetic in range: no bucket of a valid limit takes 285,000 years to refill.
+MIN_TTL_MS = 1
+
+
+MAX_TTL_MS = 2**53
+
+
+#: With a pinned test clock, pinned time and Redis' time disagree: a key must not
+#: expire (and read as full) while a test's pinned clock stands still.
+PINNED_CLOCK_MIN_TTL_MS = 3_600_000
+
+
+_FIELDS = 4
+
+
+#: MessagePack: an int64 (all the script's numbers but ``now`` and stored states fit one),
+#: and nil.
+_INT64 = struct.Struct(">Bq")
+
+
+_NIL = b"\xc0"
+
+
+#: A request's key index and count, the part of its argument that varies per call.
+_INDEX_AND_COUNT = struct.Struct(">BqBq")
+
+
+def _msgpack(*numbers: int | str | None) -> bytes:
+    """Return ``numbers`` as a MessagePack stream, which the script reads with cmsgpack.unpack."""
+    return b"".join(_NIL if n is None else _packed(n) for n in numbers)
+
+
+def _packed(value: int | str) -> bytes:
+    if isinstance(value, str):  # a kind's code: a short ASCII string (fixstr)
+        data = value.encode("ascii")
+        assert len(data) < 32
+        return bytes([0xA0 | len(data)]) + data
+    return _INT64.pack(0xD3, value)
+
+
+def _header(apply: bool, min_ttl_ms: int) -> bytes:
+    return _msgpack(int(apply), min_ttl_ms, MAX_TTL_MS, CLOCK_SKEW_TOLERANCE)
+
+
+#: The script's second argument (apply, TTL bounds, clock-skew tolerance), indexed by
+#: ``apply``, with the real clock and with a pinned test clock.
+_HEADERS = (_header(False, MIN_TTL_MS), _header(True, MIN_TTL_MS))
+
+
+_PINNED_HEADERS = (_header(False, PINNED_CLOCK_MIN_TTL_MS), _header(True, PINNED_CLOCK_MIN_TTL_MS))
+
+
+def _decision(allowed: bool, value: int, retry_after: int | None, full_after: int) -> Decision:
+    """Return ``Decision(allowed, value, retry_after, full_after, None)``, only faster.
+
+    A frozen dataclass's __init__ sets each field through ``object.__setattr__``; every
+    decision makes one, and filling ``__dict__`` at once costs a third as much (as
+    ``Status._decided`` does). tests/test_redis.py keeps the two equal.
+    """
+    decision: Decision = object.__new__(Decision)
+    decision.__dict__.update(allowed=allowed, value=value, retry_after=retry_after, full_after=full_after, state=None)
+    return decision
+
+
+def _make_outcome(decisions: list[Decision], now: int) -> Outcome:
+    """Return ``Outcome(decisions, now)``, as ``_decision`` makes a Decision."""
+    outcome: Outcome = object.__new__(Outcome)
+    outcome.__dict__.update(decisions=decisions, now=now)
+    return outcome
+
+
+def _refund_request(config: LimitConfig, key: EncodedKey, amount: int) -> Request:
+    return Request(replace(config, max_reserved=None), key, -amount, reserve=True)
+
+
+def _capped(config: LimitConfig, outcome: Outcome) -> Outcome:
+    decision = outcome.decisions[0]
+    if decision.value > config.capacity:
+        decision = replace(decision, value=config.capacity, full_after=0)
+    return Outcome([decision], outcome.now)
+
+
+def _parse_state(raw: Any) -> State | None:
+    parts = _text(raw).split(" ")
+    if len(parts) != 2:
+        return None
+    try:
+        return State(int(parts[0]), int(parts[1]))
+    except ValueError:
+        return None
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+
+
+def _microseconds(time_reply: Any) -> int:
+    """Return Redis' ``TIME`` reply (seconds, microseconds) in microseconds."""
+    seconds, micros = time_reply
+    return int(seconds) * 1_000_000 + int(micros)
