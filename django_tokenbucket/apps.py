@@ -1,7 +1,21 @@
+from importlib import import_module
 from importlib.util import find_spec
 
 from django.apps import AppConfig
 from django.utils.translation import gettext_lazy as _
+
+#: What ``ready()`` loads, each when the framework it needs is installed (None: always):
+#: the system checks of the core and of each integration, and the Celery tasks, which
+#: register the ``django_tokenbucket.*`` tasks with the project's Celery app so that
+#: workers know them without autodiscovery. Modules load models, which exist only from
+#: ``ready()`` on: Django's way, as its admin's autodiscovery.
+READY_MODULES = (
+    (None, "django_tokenbucket.checks"),
+    (None, "django_tokenbucket.compat.ratelimit.checks"),
+    ("rest_framework", "django_tokenbucket.throttling.checks"),
+    ("celery", "django_tokenbucket.celery.checks"),
+    ("celery", "django_tokenbucket.tasks"),
+)
 
 
 class TokenBucketConfig(AppConfig):
@@ -10,10 +24,6 @@ class TokenBucketConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        # Django's way: these import models, which exist only from here on.
-        from . import checks  # noqa: F401  (registers the system checks)
-
-        if find_spec("celery") is not None:
-            # Registers the django_tokenbucket.* tasks with the project's Celery app, so that
-            # workers know them without autodiscovery.
-            from . import tasks  # noqa: F401
+        for requirement, module in READY_MODULES:
+            if requirement is None or find_spec(requirement) is not None:
+                import_module(module)

@@ -11,20 +11,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.urls import get_resolver
 from django.utils.module_loading import import_string
 
-from .backends import backend_class, is_django_redis
+from .backends import backend_class
 from .decorators import declared_limits, declared_stacks
 from .ip import ip_settings_problems
 from .limits import DEFAULT_BACKEND_ALIAS, parse_limit
-from .rates import parse_rate
-from .reservations import CELERY_DEFAULTS
 from .settings import DEFAULT_BACKEND, DEFAULTS, parse_backends
-
-try:
-    from rest_framework.settings import api_settings as drf_settings
-
-    from . import throttling
-except ImportError:  # DRF is not installed: there are no throttles to check
-    throttling = None  # type: ignore[assignment]
 
 __all__ = ["check_backends", "check_settings"]
 
@@ -168,10 +159,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
 
 
 def _check_operations(user: dict[str, Any]) -> list[checks.CheckMessage]:
-    """Check RESPONSE, LOG_INTERVAL and CELERY, which are otherwise read only when needed.
+    """Check RESPONSE and LOG_INTERVAL, which are otherwise read only when needed.
 
     A bad RESPONSE would fail at the first 429; a bad LOG_INTERVAL would quietly become
-    the default; a bad CELERY value would surface in a worker.
+    the default. (``CELERY`` is the Celery integration's: ``celery.checks``.)
     """
     errors: list[checks.CheckMessage] = []
     response = user.get("RESPONSE", DEFAULTS["RESPONSE"])
@@ -200,29 +191,6 @@ def _check_operations(user: dict[str, Any]) -> list[checks.CheckMessage]:
                 id="django_tokenbucket.E024",
             )
         )
-    errors += _check_celery(user.get("CELERY", {}))
-    return errors
-
-
-def _check_celery(given: object) -> list[checks.CheckMessage]:
-    def error(message: str) -> checks.Error:
-        return checks.Error(f"TOKENBUCKET['CELERY']{message}.", id="django_tokenbucket.E025")
-
-    if not isinstance(given, dict):
-        return [error(f" must be a dict, not {type(given).__name__}")]
-    errors: list[checks.CheckMessage] = []
-    unknown = sorted(map(repr, set(given) - set(CELERY_DEFAULTS)))
-    if unknown:
-        errors.append(error(f" has unknown setting(s) {', '.join(unknown)}; it takes {', '.join(CELERY_DEFAULTS)}"))
-    for name, value in given.items():
-        if name not in CELERY_DEFAULTS or (name == "KEEP_FINISHED" and value is None):
-            continue
-        number = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
-        if not number or (name == "BATCH_SIZE" and not isinstance(value, int)):
-            kind = "a whole number > 0" if name == "BATCH_SIZE" else "a number of seconds > 0"
-            if name == "KEEP_FINISHED":
-                kind += " or None"
-            errors.append(error(f"[{name!r}] must be {kind}, not {value!r}"))
     return errors
 
 
@@ -319,185 +287,3 @@ def check_declared_limits(app_configs: Any = None, **kwargs: Any) -> list[checks
     return messages
 
 
-# -- DRF throttles and the django-ratelimit compatibility layer --------------------------
-
-
-@checks.register(checks.Tags.urls)
-def check_throttle_rates(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    """Check every DRF throttle rate we can see, so that none fails at request time.
-
-    ``DEFAULT_THROTTLE_RATES`` (E030), the ``rate`` and ``THROTTLE_RATES`` of the
-    throttle classes imported with the URLconf (E031), and that each scope used by our
-    throttles in ``DEFAULT_THROTTLE_CLASSES`` or by a view's ``throttle_scope`` has a
-    rate (E032). Runs whether ``rest_framework`` is in ``INSTALLED_APPS`` or not.
-    """
-    if throttling is None:  # DRF is not installed: there are no throttles
-        return []
-    api_settings = drf_settings
-    ScopedRateThrottle, SimpleRateThrottle = throttling.ScopedRateThrottle, throttling.SimpleRateThrottle
-    declared_throttle_rates = throttling.declared_throttle_rates
-    try:
-        patterns = get_resolver().url_patterns  # importing the views imports their throttles
-    except Exception:  # a broken URLconf is reported by Django's own URL checks
-        patterns = []
-    messages: list[checks.CheckMessage] = []
-    default_rates = api_settings.DEFAULT_THROTTLE_RATES or {}
-    sources: list[tuple[str, object]] = [
-        (f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'][{scope!r}]", rate) for scope, rate in default_rates.items()
-    ]
-    sources += list(declared_throttle_rates().values())
-    for where, rate in sources:
-        if rate is None:
-            continue
-        try:
-            parse_rate(rate)  # type: ignore[arg-type]  # anything a user wrote; parse_rate says what is wrong
-        except ValueError as exc:
-            messages.append(
-                checks.Error(
-                    f"{where}: {exc}",
-                    hint="DRF spellings work: '100/day', '60/min', '3/sec', '1/hr'; also '5/10m'.",
-                    id="django_tokenbucket.E030" if where.startswith("REST_FRAMEWORK") else "django_tokenbucket.E031",
-                )
-            )
-    known = set(default_rates) | set(declared_throttle_rates()) | set(_limit_names())
-    try:
-        classes = list(api_settings.DEFAULT_THROTTLE_CLASSES)
-    except ImportError as exc:
-        return [
-            *messages,
-            checks.Error(f"REST_FRAMEWORK['DEFAULT_THROTTLE_CLASSES']: {exc}", id="django_tokenbucket.E032"),
-        ]
-    scoped_views = [
-        (view, view.throttle_scope) for view in _api_views(patterns) if getattr(view, "throttle_scope", None)
-    ]
-    for view, scope in scoped_views:
-        if any(
-            isinstance(c, type) and issubclass(c, ScopedRateThrottle)
-            for c in getattr(view, "throttle_classes", classes)
-        ):
-            for name in [scope] if isinstance(scope, str) else list(scope):
-                if name not in known:
-                    messages.append(_no_rate(name, f"{view.__module__}.{view.__qualname__}.throttle_scope"))
-    for cls in classes:
-        if not (isinstance(cls, type) and issubclass(cls, SimpleRateThrottle)) or issubclass(cls, ScopedRateThrottle):
-            continue
-        own_rates = cls.THROTTLE_RATES if cls.THROTTLE_RATES is not None else {}
-        scopes = list(cls.scopes) or ([cls.scope] if cls.scope else [])
-        for name in scopes:
-            if not cls.rate and name not in known and name not in own_rates:
-                messages.append(_no_rate(name, f"{cls.__module__}.{cls.__qualname__}"))
-    for view in _api_views(patterns):
-        messages += _throttles_on_two_backends(view, classes, ScopedRateThrottle, SimpleRateThrottle)
-    return messages
-
-
-def _throttles_on_two_backends(view: Any, default_classes: list[Any], scoped: Any, simple: Any) -> list[Any]:
-    """Report a view whose throttles take from limits on two backends (E026).
-
-    A view's throttles are decided together, all-or-nothing, which two stores cannot do;
-    at request time such a view would answer as if the store were down.
-    """
-    user = getattr(settings, "TOKENBUCKET", {})
-    limits = user.get("LIMITS", {}) if isinstance(user, dict) else {}
-    limits = limits if isinstance(limits, dict) else {}
-    scopes: list[str] = []
-    for cls in getattr(view, "throttle_classes", default_classes):
-        if not (isinstance(cls, type) and issubclass(cls, simple)) or getattr(cls, "rate", None):
-            continue
-        if issubclass(cls, scoped):
-            scope = getattr(view, getattr(cls, "scope_attr", "throttle_scope"), None)
-            scopes += [scope] if isinstance(scope, str) else list(scope or ())
-        else:
-            own = getattr(cls, "scope", None)
-            scopes += list(getattr(cls, "scopes", ())) or ([own] if own else [])
-    stores: dict[str, list[str]] = {}
-    for scope in scopes:
-        spec = limits.get(scope)
-        alias = spec.get("backend", DEFAULT_BACKEND_ALIAS) if isinstance(spec, dict) else DEFAULT_BACKEND_ALIAS
-        stores.setdefault(str(alias), []).append(scope)
-    if len(stores) < 2:
-        return []
-    where = "; ".join(f"{alias!r}: {', '.join(map(repr, names))}" for alias, names in stores.items())
-    name = f"{view.__module__}.{view.__qualname__}"
-    return [
-        checks.Error(
-            f"{name}'s throttles take from limits stored on different backends ({where}); they are decided "
-            f"together, all-or-nothing, which two stores cannot do.",
-            hint="Give the scopes' limits in TOKENBUCKET['LIMITS'] the same 'backend'.",
-            obj=view,
-            id="django_tokenbucket.E026",
-        )
-    ]
-
-
-def _no_rate(scope: str, where: str) -> checks.Error:
-    return checks.Error(
-        f"throttle scope {scope!r} ({where}) has no rate: every request it meets would fail.",
-        hint="Add it to REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'] (None switches it off) or TOKENBUCKET['LIMITS'].",
-        id="django_tokenbucket.E032",
-    )
-
-
-def _limit_names() -> list[str]:
-    user = getattr(settings, "TOKENBUCKET", {})
-    limits = user.get("LIMITS", {}) if isinstance(user, dict) else {}
-    return list(limits) if isinstance(limits, dict) else []
-
-
-def _api_views(patterns: Any) -> list[Any]:
-    """Return the view classes (``as_view()``'s ``cls``/``view_class``) of a URLconf's patterns."""
-    views = []
-    for pattern in patterns:
-        if hasattr(pattern, "url_patterns"):
-            views += _api_views(pattern.url_patterns)
-            continue
-        callback = getattr(pattern, "callback", None)
-        view = getattr(callback, "cls", None) or getattr(callback, "view_class", None)
-        if isinstance(view, type):
-            views.append(view)
-    return views
-
-
-@checks.register(checks.Tags.caches)
-def check_ratelimit_compat(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    """Check the ``RATELIMIT_*`` settings read by ``django_tokenbucket.compat.ratelimit``."""
-    messages: list[checks.CheckMessage] = []
-    alias = getattr(settings, "RATELIMIT_USE_CACHE", None)
-    caches = getattr(settings, "CACHES", {})
-    if alias is not None:
-        if alias not in caches:
-            messages.append(
-                checks.Error(
-                    f"RATELIMIT_USE_CACHE = {alias!r} is not an alias in CACHES.",
-                    hint="Name a cache in CACHES, or remove the setting to use TOKENBUCKET's backend.",
-                    id="django_tokenbucket.E040",
-                )
-            )
-        else:
-            backend = caches[alias].get("BACKEND", "")
-            if not is_django_redis(backend) and backend != "django.core.cache.backends.dummy.DummyCache":
-                messages.append(
-                    checks.Warning(
-                        f"RATELIMIT_USE_CACHE = {alias!r} is a {backend}, which cannot hold a limit atomically: "
-                        "django_tokenbucket.compat.ratelimit keeps its limits in TOKENBUCKET's backend instead.",
-                        hint="Nothing to do if that is what you want; a django-redis cache is used as a Redis backend.",
-                        id="django_tokenbucket.W040",
-                    )
-                )
-    for setting, bits in (("RATELIMIT_IPV4_MASK", 32), ("RATELIMIT_IPV6_MASK", 128)):
-        mask = getattr(settings, setting, bits if bits == 32 else 64)
-        if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask <= bits:
-            messages.append(
-                checks.Error(
-                    f"{setting} must be a prefix length from 0 to {bits}, not {mask!r}.", id="django_tokenbucket.E041"
-                )
-            )
-    exception_class = getattr(settings, "RATELIMIT_EXCEPTION_CLASS", None)
-    if isinstance(exception_class, str):
-        try:
-            import_string(exception_class)
-        except ImportError as exc:
-            messages.append(
-                checks.Error(f"RATELIMIT_EXCEPTION_CLASS = {exception_class!r}: {exc}", id="django_tokenbucket.E042")
-            )
-    return messages

@@ -138,7 +138,8 @@ class Reservation(models.Model):
 
 
 def _reservations() -> ModuleType:
-    # Imported on use: django_tokenbucket.reservations works on these models.
-    from . import reservations
+    # Imported on use: the Celery integration's reservations (which look this model up
+    # rather than import it) need Celery, which a project without schedule() lacks.
+    from .celery import reservations
 
     return reservations

@@ -422,7 +422,8 @@ def test_what_an_async_view_plans_on_the_event_loop(rf):
     from django.contrib.auth.models import AnonymousUser
     from django.utils.functional import SimpleLazyObject
 
-    from django_tokenbucket.decorators import _plans_on_the_loop, _ViewLimit
+    from django_tokenbucket.view_limits import ViewLimit as _ViewLimit
+    from django_tokenbucket.view_limits import _plans_on_the_loop
 
     def limit(key, count=1):
         return _ViewLimit("x", key, {"rate": "1/m"}, None, count, True)

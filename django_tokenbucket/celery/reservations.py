@@ -16,18 +16,21 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 from uuid import UUID
 
+from django.apps import apps
 from django.db import router, transaction
 from django.utils import timezone
 
-from .api import limiter
-from .exceptions import BackendUnavailable
-from .keys import EncodedKey
-from .limits import LimitConfig, count_to_micro
-from .models import Reservation
-from .settings import tokenbucket_settings
+from ..api import limiter
+from ..exceptions import BackendUnavailable
+from ..keys import EncodedKey
+from ..limits import LimitConfig, count_to_micro
+from ..settings import tokenbucket_settings
+
+if TYPE_CHECKING:
+    from ..models import Reservation
 
 __all__ = [
     "CELERY_DEFAULTS",
@@ -44,11 +47,16 @@ __all__ = [
 
 logger = logging.getLogger("django_tokenbucket")
 
-_Status = Reservation.Status
-#: Not claimed by a worker yet: may still be cancelled, may still run.
-WAITING = (_Status.SCHEDULED, _Status.SENT)
+#: Not claimed by a worker yet: may still be cancelled, may still run (``Reservation.Status``).
+WAITING = ("scheduled", "sent")
 #: The work started: unused tokens may be refunded.
-STARTED = (_Status.RUNNING, _Status.DONE, _Status.FAILED)
+STARTED = ("running", "done", "failed")
+
+
+def reservation_model() -> type[Reservation]:
+    """Return the ``Reservation`` model. Looked up, not imported: the model's ``cancel()``
+    and ``refund()`` call this module, which must not import the models back."""
+    return apps.get_model("django_tokenbucket", "Reservation")
 
 #: ``TOKENBUCKET["CELERY"]``'s settings and their defaults (read by django_tokenbucket.celery).
 CELERY_DEFAULTS: dict[str, Any] = {
@@ -71,12 +79,12 @@ CELERY_DEFAULTS: dict[str, Any] = {
 }
 
 
-ReservationRef = Reservation | UUID | str
+ReservationRef = Union["Reservation", UUID, str]
 
 
 def database_alias() -> str:
     """Return the database that holds reservations (the router's choice for writes)."""
-    return router.db_for_write(Reservation)
+    return router.db_for_write(reservation_model())
 
 
 def shares_transaction(alias: str, limit: LimitConfig) -> bool:
@@ -106,18 +114,18 @@ def limit_of(reservation: Reservation) -> LimitConfig:
 
 
 def _pk(reservation: ReservationRef) -> Any:
-    return reservation.pk if isinstance(reservation, Reservation) else reservation
+    return reservation.pk if isinstance(reservation, reservation_model()) else reservation
 
 
 def _lock(alias: str, reservation: ReservationRef) -> Reservation:
-    row = Reservation.objects.using(alias).select_for_update().filter(pk=_pk(reservation)).first()
+    row = reservation_model().objects.using(alias).select_for_update().filter(pk=_pk(reservation)).first()
     if row is None:
-        raise Reservation.DoesNotExist(f"no reservation {_pk(reservation)}")
+        raise reservation_model().DoesNotExist(f"no reservation {_pk(reservation)}")
     return row
 
 
 def _copy_back(row: Reservation, reservation: ReservationRef, names: list[str]) -> None:
-    if isinstance(reservation, Reservation) and reservation is not row:
+    if isinstance(reservation, reservation_model()) and reservation is not row:
         for name in names:
             setattr(reservation, name, getattr(row, name))
 
@@ -161,7 +169,7 @@ def cancel(reservation: ReservationRef) -> bool:
         if row.status not in WAITING:
             return False
         now = timezone.now()
-        row.status = _Status.CANCELLED
+        row.status = "cancelled"
         row.finished_at = now
         if row.count > row.refunded:
             give_back(row, row.count - row.refunded, alias)

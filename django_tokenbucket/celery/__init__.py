@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 try:
     from celery import current_app
@@ -43,16 +43,19 @@ from django.db import connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from . import clock, reservations
-from .algorithms import MICRO
-from .api import ConfigSpec, limiter
-from .exceptions import RateLimited
-from .keys import EncodedKey
-from .limits import LimitConfig
-from .models import Reservation
-from .reservations import CELERY_DEFAULTS, WAITING, cancel, refund
-from .settings import tokenbucket_settings
-from .status import Status, ambiguous_truth
+from .. import clock
+from ..algorithms import MICRO
+from ..api import ConfigSpec, limiter
+from ..exceptions import RateLimited
+from ..keys import EncodedKey
+from ..limits import LimitConfig
+from ..settings import tokenbucket_settings
+from ..status import Status, ambiguous_truth
+from . import reservations
+from .reservations import CELERY_DEFAULTS, WAITING, cancel, refund, reservation_model
+
+if TYPE_CHECKING:
+    from ..models import Reservation
 
 __all__ = [
     "CELERY_DEFAULTS",
@@ -72,7 +75,6 @@ logger = logging.getLogger("django_tokenbucket")
 #: The name of the task that runs a reservation's work (``tasks.run_reservation``).
 RUN_RESERVATION_TASK = "django_tokenbucket.run_reservation"
 
-_Status = Reservation.Status
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 #: ``TOKENBUCKET["CELERY"]``: times in seconds.
@@ -206,14 +208,14 @@ def schedule(
         eta = _EPOCH + timedelta(microseconds=now_us + wait_us + jitter_us)
         held = (eta - timezone.now()).total_seconds() > cap
         try:
-            reservation = Reservation.objects.using(alias).create(
+            reservation = reservation_model().objects.using(alias).create(
                 name=limit.name,
                 key=encoded.digest,
                 label=encoded.label,
                 limit=reservations.snapshot(limit, inline=config is not None),
                 count=reserved,
                 eta=eta,
-                status=_Status.SCHEDULED if held else _Status.SENT,
+                status="scheduled" if held else "sent",
                 sent_at=None if held else timezone.now(),
                 publish_count=0 if held else 1,
                 task=sig.task,
@@ -315,8 +317,8 @@ def _publish_after_commit(pk: Any, eta: datetime, options: Mapping[str, Any], al
         # An error here would reach a caller whose transaction has already committed.
         logger.warning("reservation %s: publishing failed, the sweeper will send it: %s", pk, exc)
         try:
-            Reservation.objects.using(alias).filter(pk=pk, status=_Status.SENT).update(
-                status=_Status.SCHEDULED, publish_count=F("publish_count") - 1
+            reservation_model().objects.using(alias).filter(pk=pk, status="sent").update(
+                status="scheduled", publish_count=F("publish_count") - 1
             )
         except Exception:
             logger.warning("reservation %s: could not mark it unsent; it is sent again later", pk, exc_info=True)
@@ -347,7 +349,7 @@ def run_reservation_work(task: Any, reservation_id: str) -> Any:
     bound: ``task`` is the running task.
     """
     alias = reservations.database_alias()
-    row = Reservation.objects.using(alias).filter(pk=reservation_id).first()
+    row = reservation_model().objects.using(alias).filter(pk=reservation_id).first()
     if row is None:
         logger.warning("reservation %s does not exist (deleted?): nothing to run", reservation_id)
         raise Ignore()
@@ -370,10 +372,10 @@ def _run_atomic(pk: Any, alias: str, body: Any, args: Any, kwargs: Any) -> Any:
     try:
         with transaction.atomic(using=alias):
             # A second delivery waits here for the first to finish, then finds it done.
-            row = Reservation.objects.using(alias).select_for_update().filter(pk=pk, status__in=WAITING).first()
+            row = reservation_model().objects.using(alias).select_for_update().filter(pk=pk, status__in=WAITING).first()
             if row is None:
                 _ignore(pk, "no longer waiting")
-            row.status, row.started_at = _Status.RUNNING, timezone.now()
+            row.status, row.started_at = "running", timezone.now()
             row.save(update_fields=["status", "started_at"])
             try:
                 with _running(row):
@@ -381,7 +383,7 @@ def _run_atomic(pk: Any, alias: str, body: Any, args: Any, kwargs: Any) -> Any:
             except Exception as exc:
                 failure = exc
                 raise
-            row.status, row.finished_at = _Status.DONE, timezone.now()
+            row.status, row.finished_at = "done", timezone.now()
             row.save(update_fields=["status", "finished_at"])
             return result
     except Exception as exc:
@@ -394,21 +396,21 @@ def _run_atomic(pk: Any, alias: str, body: Any, args: Any, kwargs: Any) -> Any:
 
 def _run_claimed(pk: Any, alias: str, body: Any, args: Any, kwargs: Any) -> Any:
     claimed = (
-        Reservation.objects.using(alias)
+        reservation_model().objects.using(alias)
         .filter(pk=pk, status__in=WAITING)
-        .update(status=_Status.RUNNING, started_at=timezone.now())
+        .update(status="running", started_at=timezone.now())
     )
     if not claimed:
         _ignore(pk, "no longer waiting")
-    row = Reservation.objects.using(alias).get(pk=pk)
+    row = reservation_model().objects.using(alias).get(pk=pk)
     try:
         with _running(row):
             result = body(*args, **kwargs)
     except Exception as exc:
         _failed(pk, alias, exc)
         raise
-    Reservation.objects.using(alias).filter(pk=pk, status=_Status.RUNNING).update(
-        status=_Status.DONE, finished_at=timezone.now()
+    reservation_model().objects.using(alias).filter(pk=pk, status="running").update(
+        status="done", finished_at=timezone.now()
     )
     return result
 
@@ -417,14 +419,14 @@ def _failed(pk: Any, alias: str, exc: BaseException) -> None:
     try:
         with transaction.atomic(using=alias):
             row = (
-                Reservation.objects.using(alias)
+                reservation_model().objects.using(alias)
                 .select_for_update()
-                .filter(pk=pk, status__in=(*WAITING, _Status.RUNNING))
+                .filter(pk=pk, status__in=(*WAITING, "running"))
                 .first()
             )
             if row is None:
                 return
-            row.status, row.finished_at = _Status.FAILED, timezone.now()
+            row.status, row.finished_at = "failed", timezone.now()
             row.error = f"{type(exc).__name__}: {exc}"[:2000]
             names = ["status", "finished_at", "error"]
             if row.refund_on_failure and row.count > row.refunded:
@@ -470,40 +472,40 @@ def sweep(now: datetime | None = None) -> SweepReport:
     now = now or timezone.now()
     batch = max(1, int(settings["BATCH_SIZE"]))
     report = SweepReport()
-    objects = Reservation.objects.using(alias)
+    objects = reservation_model().objects.using(alias)
 
     expire_before = now - timedelta(seconds=float(settings["EXPIRE_AFTER"]))
     report.expired += _update_batches(
         alias,
         objects.filter(status__in=WAITING, eta__lte=expire_before),
         batch,
-        status=_Status.EXPIRED,
+        status="expired",
         finished_at=now,
     )
     # Non-atomic work whose worker died mid-task (it is never run twice).
     report.expired += _update_batches(
         alias,
-        objects.filter(status=_Status.RUNNING, started_at__lte=expire_before),
+        objects.filter(status="running", started_at__lte=expire_before),
         batch,
-        status=_Status.EXPIRED,
+        status="expired",
         finished_at=now,
     )
 
     horizon = now + timedelta(seconds=max_eta())
     report.published, errors = _publish_batches(
-        alias, objects.filter(status=_Status.SCHEDULED, eta__lte=horizon), batch, now
+        alias, objects.filter(status="scheduled", eta__lte=horizon), batch, now
     )
     report.publish_errors += errors
     if not errors:
         overdue = now - timedelta(seconds=float(settings["REDELIVER_AFTER"]))
         report.republished, errors = _publish_batches(
-            alias, objects.filter(status=_Status.SENT, eta__lte=overdue, sent_at__lte=overdue), batch, now
+            alias, objects.filter(status="sent", eta__lte=overdue, sent_at__lte=overdue), batch, now
         )
         report.publish_errors += errors
 
     if settings["KEEP_FINISHED"] is not None:
         finished_before = now - timedelta(seconds=float(settings["KEEP_FINISHED"]))
-        finished = objects.exclude(status__in=(*WAITING, _Status.RUNNING)).filter(finished_at__lte=finished_before)
+        finished = objects.exclude(status__in=(*WAITING, "running")).filter(finished_at__lte=finished_before)
         while True:
             pks = list(finished.values_list("pk", flat=True)[:batch])
             if not pks:
@@ -524,7 +526,7 @@ def _update_batches(alias: str, queryset: Any, batch: int, **values: Any) -> int
         with transaction.atomic(using=alias):
             rows = _locked(alias, queryset, batch)
             if rows:
-                Reservation.objects.using(alias).filter(pk__in=[r.pk for r in rows]).update(**values)
+                reservation_model().objects.using(alias).filter(pk__in=[r.pk for r in rows]).update(**values)
         total += len(rows)
         if len(rows) < batch:
             return total
@@ -543,8 +545,8 @@ def _publish_batches(alias: str, queryset: Any, batch: int, now: datetime) -> tu
                     logger.warning("reservation %s: publishing failed, next sweep retries: %s", row.pk, exc)
                     break
                 done.append(row.pk)
-            Reservation.objects.using(alias).filter(pk__in=done).update(
-                status=_Status.SENT, sent_at=now, publish_count=F("publish_count") + 1
+            reservation_model().objects.using(alias).filter(pk__in=done).update(
+                status="sent", sent_at=now, publish_count=F("publish_count") + 1
             )
         sent += len(done)
         if len(done) < len(rows):
