@@ -11,135 +11,61 @@ from django.core.exceptions import ImproperlyConfigured
 from django.urls import get_resolver
 from django.utils.module_loading import import_string
 
+from . import catalogue
 from .backends import backend_class
 from .decorators import declared_limits, declared_stacks
 from .ip import ip_settings_problems
 from .limits import DEFAULT_BACKEND_ALIAS, parse_limit
-from .settings import DEFAULT_BACKEND, DEFAULTS, parse_backends
+from .settings import DEFAULT_BACKEND, DEFAULTS, OptionsNotADict, parse_backends
 
 __all__ = ["check_backends", "check_settings"]
-
-_SETTINGS_HINT = "See the settings reference in the django_tokenbucket docs (docs/settings.md)."
-
 
 @checks.register()
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     errors: list[checks.CheckMessage] = []
     user = getattr(settings, "TOKENBUCKET", {})
     if not isinstance(user, dict):
-        return [
-            checks.Error(
-                f"TOKENBUCKET must be a dict, not {type(user).__name__}.",
-                hint=_SETTINGS_HINT,
-                id="django_tokenbucket.E001",
-            )
-        ]
+        return [catalogue.E001(type=type(user).__name__)]
     unknown = sorted(set(user) - set(DEFAULTS))
     if unknown:
-        errors.append(
-            checks.Warning(
-                f"TOKENBUCKET has unknown setting(s): {', '.join(map(repr, unknown))}.",
-                hint=f"Known settings: {', '.join(sorted(DEFAULTS))}.",
-                id="django_tokenbucket.W002",
-            )
-        )
+        errors.append(catalogue.W002(names=", ".join(map(repr, unknown)), known=", ".join(sorted(DEFAULTS))))
 
     limits = user.get("LIMITS", {})
     if not isinstance(limits, dict):
-        errors.append(
-            checks.Error(
-                f"TOKENBUCKET['LIMITS'] must be a dict of name -> config, not {type(limits).__name__}.",
-                hint="For example: {'login': {'kind': 'token bucket', 'rate': '5/m'}}.",
-                id="django_tokenbucket.E002",
-            )
-        )
+        errors.append(catalogue.E002(type=type(limits).__name__))
         limits = {}
     folded: dict[str, str] = {}
     for name, spec in limits.items():
         try:
             parse_limit(name, spec)
         except ImproperlyConfigured as exc:
-            errors.append(
-                checks.Error(
-                    str(exc),
-                    hint="A limit is a rate string ('10/m', '5/10m', '1000/day') or a dict with "
-                    "'rate' (and 'period' for a numeric rate), optional 'kind', 'capacity', "
-                    "'max_reserved' and, for fixed windows, 'start'.",
-                    obj=f"TOKENBUCKET['LIMITS'][{name!r}]",
-                    id="django_tokenbucket.E003",
-                )
-            )
+            errors.append(catalogue.E003(obj=f"TOKENBUCKET['LIMITS'][{name!r}]", error=exc))
         if isinstance(name, str):
             other = folded.setdefault(name.casefold(), name)
             if other != name:
-                errors.append(
-                    checks.Error(
-                        f"rate limits {other!r} and {name!r} differ only in case.",
-                        hint="Databases with case-insensitive collations (MySQL, MariaDB) would "
-                        "store them as one limit; rename one of them.",
-                        id="django_tokenbucket.E004",
-                    )
-                )
+                errors.append(catalogue.E004(first=other, second=name))
 
 
     if not isinstance(user.get("FAIL_OPEN", False), bool):
-        errors.append(
-            checks.Error(
-                f"TOKENBUCKET['FAIL_OPEN'] must be True or False, not {user['FAIL_OPEN']!r}.",
-                id="django_tokenbucket.E006",
-            )
-        )
+        errors.append(catalogue.E006(value=user["FAIL_OPEN"]))
     if user.get("CLOCK", "store") not in ("store", "app"):
-        errors.append(
-            checks.Error(
-                f"TOKENBUCKET['CLOCK'] must be 'store' or 'app', not {user['CLOCK']!r}.",
-                hint="'store' (the default) takes time from the database or Redis, so that "
-                "app servers with skewed clocks agree.",
-                id="django_tokenbucket.E007",
-            )
-        )
+        errors.append(catalogue.E007(value=user["CLOCK"]))
     for problem in ip_settings_problems(
         user.get("TRUSTED_PROXIES", DEFAULTS["TRUSTED_PROXIES"]),
         user.get("IP_HEADER", DEFAULTS["IP_HEADER"]),
         user.get("IPV6_PREFIX", DEFAULTS["IPV6_PREFIX"]),
     ):
-        errors.append(
-            checks.Error(
-                f"TOKENBUCKET: {problem}.",
-                hint="Client addresses decide whose bucket a request uses: see the decorator docs "
-                "(docs/decorator.md, 'Client addresses').",
-                id="django_tokenbucket.E012",
-            )
-        )
+        errors.append(catalogue.E012(problem=problem))
     ip_header, trusted = user.get("IP_HEADER"), user.get("TRUSTED_PROXIES")
     if ip_header and not isinstance(trusted, (list, tuple)):
-        errors.append(
-            checks.Warning(
-                f"TOKENBUCKET['IP_HEADER'] = {ip_header!r} is ignored: it is honoured only on requests "
-                f"from a trusted proxy given by its address, and TRUSTED_PROXIES is {trusted!r}.",
-                hint="Give TRUSTED_PROXIES as the CIDRs of the proxies that set the header, e.g. ['10.0.0.0/8'].",
-                id="django_tokenbucket.W003",
-            )
-        )
+        errors.append(catalogue.W003(header=ip_header, trusted=trusted))
     for setting in ("FOLD_KEY_CASE", "COUNT_OPTIONS", "HEADERS"):
         if not isinstance(user.get(setting, DEFAULTS[setting]), bool):
-            errors.append(
-                checks.Error(
-                    f"TOKENBUCKET[{setting!r}] must be True or False, not {user[setting]!r}.",
-                    id="django_tokenbucket.E016",
-                )
-            )
+            errors.append(catalogue.E016(setting=setting, value=user[setting]))
     errors += _check_operations(user)
     secret = user.get("KEY_SECRET")
     if secret is not None and not (isinstance(secret, (str, bytes)) and len(secret) >= 16):
-        errors.append(
-            checks.Error(
-                "TOKENBUCKET['KEY_SECRET'] must be None (derived from SECRET_KEY) or a str or bytes of "
-                "at least 16 characters.",
-                hint="A short or guessable secret lets anyone with the rows recover keys such as addresses.",
-                id="django_tokenbucket.E017",
-            )
-        )
+        errors.append(catalogue.E017())
     for setting in ("RETRY_ATTEMPTS", "RETRY_BASE_DELAY", "RETRY_MAX_DELAY"):
         value = user.get(setting, DEFAULTS[setting])
         if (
@@ -148,13 +74,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
             or value < 0
             or (setting == "RETRY_ATTEMPTS" and (not isinstance(value, int) or value < 1))
         ):
-            errors.append(
-                checks.Error(
-                    f"TOKENBUCKET[{setting!r}] must be a non-negative number "
-                    f"(a positive integer for RETRY_ATTEMPTS), not {value!r}.",
-                    id="django_tokenbucket.E008",
-                )
-            )
+            errors.append(catalogue.E008(setting=setting, value=value))
     return errors
 
 
@@ -175,22 +95,10 @@ def _check_operations(user: dict[str, Any]) -> list[checks.CheckMessage]:
     if problem is None and not callable(response):
         problem = "is not callable"
     if problem:
-        errors.append(
-            checks.Error(
-                f"TOKENBUCKET['RESPONSE'] = {user['RESPONSE']!r} {problem}.",
-                hint="Give a callable (request, status) -> HttpResponse, or its dotted path.",
-                id="django_tokenbucket.E023",
-            )
-        )
+        errors.append(catalogue.E023(value=user["RESPONSE"], problem=problem))
     interval = user.get("LOG_INTERVAL", DEFAULTS["LOG_INTERVAL"])
     if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval < math.inf:
-        errors.append(
-            checks.Error(
-                f"TOKENBUCKET['LOG_INTERVAL'] must be a number of seconds >= 0 (0 logs every store failure), "
-                f"not {interval!r}.",
-                id="django_tokenbucket.E024",
-            )
-        )
+        errors.append(catalogue.E024(value=interval))
     return errors
 
 
@@ -202,44 +110,24 @@ def check_backends(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
         return []  # reported by check_settings (E001)
     try:
         configured = parse_backends(user)
+    except OptionsNotADict as exc:
+        return [catalogue.E010(error=exc)]
     except ImproperlyConfigured as exc:
-        options_not_dict = "OPTIONS'] must be a dict" in str(exc)
-        return [
-            checks.Error(
-                f"{exc}.",
-                hint=_BACKENDS_HINT,
-                id="django_tokenbucket.E010" if options_not_dict else "django_tokenbucket.E018",
-            )
-        ]
+        return [catalogue.E018(error=exc)]
     messages: list[checks.CheckMessage] = []
     for path, options, where in configured.values():
         try:
             found = backend_class(path, f"{where}['BACKEND']")
         except ImproperlyConfigured as exc:
-            messages.append(
-                checks.Error(f"{exc}.", hint=f"The default is {DEFAULT_BACKEND!r}.", id="django_tokenbucket.E005")
-            )
+            messages.append(catalogue.E005(error=exc, default=DEFAULT_BACKEND))
             continue
         messages += found.check_options(options, where)
     limits = user.get("LIMITS", {})
     for name, spec in limits.items() if isinstance(limits, dict) else ():
         alias = spec.get("backend", DEFAULT_BACKEND_ALIAS) if isinstance(spec, dict) else DEFAULT_BACKEND_ALIAS
         if isinstance(alias, str) and alias not in configured:
-            messages.append(
-                checks.Error(
-                    f"Rate limit {name!r} is stored on backend {alias!r}, which is not in TOKENBUCKET['BACKENDS'] "
-                    f"(aliases: {', '.join(map(repr, configured))}).",
-                    hint=_BACKENDS_HINT,
-                    id="django_tokenbucket.E019",
-                )
-            )
+            messages.append(catalogue.E019(name=name, alias=alias, aliases=", ".join(map(repr, configured))))
     return messages
-
-
-_BACKENDS_HINT = (
-    "TOKENBUCKET = {'BACKENDS': {'default': {'BACKEND': ..., 'OPTIONS': {...}}, 'fast': {...}}}, and "
-    "'backend': 'fast' in a limit's config (docs/settings.md#backends)."
-)
 
 
 @checks.register(checks.Tags.urls)
@@ -257,12 +145,7 @@ def check_declared_limits(app_configs: Any = None, **kwargs: Any) -> list[checks
     if not isinstance(limits, dict):
         return []  # reported by check_settings (E001/E002)
     messages: list[checks.CheckMessage] = [
-        checks.Error(
-            f"{view} uses rate limit {name!r}, which is not in TOKENBUCKET['LIMITS'].",
-            hint="Define it in TOKENBUCKET['LIMITS'], or give @ratelimit a rate= to define it inline.",
-            obj=view,
-            id="django_tokenbucket.E011",
-        )
+        catalogue.E011(obj=view, view=view, name=name)
         for name, view in sorted(declared_limits().items())
         if name not in limits
     ]
@@ -275,15 +158,7 @@ def check_declared_limits(app_configs: Any = None, **kwargs: Any) -> list[checks
             stores.setdefault(str(alias), []).append(name)
         if len(stores) > 1:
             where = "; ".join(f"{alias!r}: {', '.join(map(repr, names))}" for alias, names in stores.items())
-            messages.append(
-                checks.Error(
-                    f"{view} stacks @ratelimit on limits stored on different backends ({where}); a request "
-                    f"is decided on all of them at once, all-or-nothing, which two stores cannot do.",
-                    hint="Give the limits of one view the same 'backend'.",
-                    obj=view,
-                    id="django_tokenbucket.E022",
-                )
-            )
+            messages.append(catalogue.E022(obj=view, view=view, where=where))
     return messages
 
 

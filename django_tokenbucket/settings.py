@@ -11,7 +11,7 @@ from django.dispatch import receiver
 
 from .limits import DEFAULT_BACKEND_ALIAS, LimitConfig, parse_limit
 
-__all__ = ["DEFAULTS", "BackendSettings", "tokenbucket_settings"]
+__all__ = ["DEFAULTS", "BackendSettings", "OptionsNotADict", "tokenbucket_settings"]
 
 DEFAULT_BACKEND = "django_tokenbucket.backends.database.DatabaseBackend"
 
@@ -111,13 +111,17 @@ class TokenBucketSettings:
         self._backends = None
 
 
+class OptionsNotADict(ImproperlyConfigured):
+    """A backend's ``OPTIONS`` is not a dict (check E010; any other malformed BACKENDS is E018)."""
+
+
 def parse_backends(user: dict[str, Any]) -> dict[str, BackendSettings]:
     """Read ``BACKENDS`` (or the top-level ``BACKEND``/``OPTIONS`` as its "default")."""
     aliases = user.get("BACKENDS")
     if aliases is None:
         options = user.get("OPTIONS", {})
         if not isinstance(options, dict):
-            raise ImproperlyConfigured(f"TOKENBUCKET['OPTIONS'] must be a dict, not {type(options).__name__}")
+            raise OptionsNotADict(f"TOKENBUCKET['OPTIONS'] must be a dict, not {type(options).__name__}")
         path = user.get("BACKEND", DEFAULT_BACKEND)
         return {DEFAULT_BACKEND_ALIAS: BackendSettings(path, options, "TOKENBUCKET")}
     if "BACKEND" in user or "OPTIONS" in user:
@@ -140,7 +144,7 @@ def parse_backends(user: dict[str, Any]) -> dict[str, BackendSettings]:
             raise ImproperlyConfigured(f"{where} has unknown key(s) {', '.join(unknown)}: it takes BACKEND and OPTIONS")
         options = entry.get("OPTIONS", {})
         if not isinstance(options, dict):
-            raise ImproperlyConfigured(f"{where}['OPTIONS'] must be a dict, not {type(options).__name__}")
+            raise OptionsNotADict(f"{where}['OPTIONS'] must be a dict, not {type(options).__name__}")
         parsed[alias] = BackendSettings(entry.get("BACKEND", DEFAULT_BACKEND), options, where)
     return parsed
 

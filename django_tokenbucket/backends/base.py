@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from asgiref.sync import sync_to_async
-from django.core import checks
 
+from .. import catalogue
 from ..algorithms import Decision, State
+from ..catalogue import Check
 from ..keys import EncodedKey
 from ..limits import LimitConfig
 
@@ -156,8 +157,8 @@ class BaseBackend(ABC):
     #: The OPTIONS this backend takes; others are an error (``check_options``). None
     #: leaves them unchecked, for a backend that does not say.
     option_names: ClassVar[frozenset[str] | None] = None
-    #: The system-check id of an unknown option.
-    unknown_option_id: ClassVar[str] = "django_tokenbucket.E013"
+    #: The system check of an unknown option.
+    unknown_option_check: ClassVar[Check] = catalogue.E013
     #: Whether ``adecide``/``areset``/``arefund`` run on the event loop (an asyncio
     #: client) rather than the blocking methods in a worker thread (the default here).
     asyncio_native: ClassVar[bool] = False
@@ -179,13 +180,8 @@ class BaseBackend(ABC):
         unknown = sorted(map(repr, set(options) - cls.option_names))
         if not unknown:
             return []
-        return [
-            checks.Error(
-                f"{setting}['OPTIONS'] has unknown option(s) for {cls.__name__}: {', '.join(unknown)}.",
-                hint=f"{cls.__name__} takes {', '.join(map(repr, sorted(cls.option_names)))}.",
-                id=cls.unknown_option_id,
-            )
-        ]
+        known = ", ".join(map(repr, sorted(cls.option_names)))
+        return [cls.unknown_option_check(setting=setting, backend=cls.__name__, names=", ".join(unknown), known=known)]
 
     def database_alias(self) -> str | None:
         """Return the database whose ``RateLimit`` rows hold this backend's buckets, if any.

@@ -10,6 +10,7 @@ from typing import Any
 from django.conf import settings
 from django.core import checks
 
+from .. import catalogue
 from .reservations import CELERY_DEFAULTS
 
 __all__ = ["check_celery_settings"]
@@ -25,8 +26,8 @@ def check_celery_settings(app_configs: Any = None, **kwargs: Any) -> list[checks
 
 
 def _check_celery(given: object) -> list[checks.CheckMessage]:
-    def error(message: str) -> checks.Error:
-        return checks.Error(f"TOKENBUCKET['CELERY']{message}.", id="django_tokenbucket.E025")
+    def error(problem: str) -> checks.CheckMessage:
+        return catalogue.E025(problem=problem)
 
     if not isinstance(given, dict):
         return [error(f" must be a dict, not {type(given).__name__}")]

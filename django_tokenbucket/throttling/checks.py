@@ -13,6 +13,7 @@ from django.core import checks
 from django.urls import get_resolver
 from rest_framework.settings import api_settings
 
+from .. import catalogue
 from ..limits import DEFAULT_BACKEND_ALIAS
 from ..rates import parse_rate
 from . import ScopedRateThrottle, SimpleRateThrottle, declared_throttle_rates
@@ -34,31 +35,22 @@ def check_throttle_rates(app_configs: Any = None, **kwargs: Any) -> list[checks.
         patterns = []
     messages: list[checks.CheckMessage] = []
     default_rates = api_settings.DEFAULT_THROTTLE_RATES or {}
-    sources: list[tuple[str, object]] = [
+    settings_rates = [
         (f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'][{scope!r}]", rate) for scope, rate in default_rates.items()
     ]
-    sources += list(declared_throttle_rates().values())
-    for where, rate in sources:
-        if rate is None:
-            continue
-        try:
-            parse_rate(rate)  # type: ignore[arg-type]  # anything a user wrote; parse_rate says what is wrong
-        except ValueError as exc:
-            messages.append(
-                checks.Error(
-                    f"{where}: {exc}",
-                    hint="DRF spellings work: '100/day', '60/min', '3/sec', '1/hr'; also '5/10m'.",
-                    id="django_tokenbucket.E030" if where.startswith("REST_FRAMEWORK") else "django_tokenbucket.E031",
-                )
-            )
+    for check, sources in ((catalogue.E030, settings_rates), (catalogue.E031, declared_throttle_rates().values())):
+        for where, rate in sources:
+            if rate is None:
+                continue
+            try:
+                parse_rate(rate)  # type: ignore[arg-type]  # anything a user wrote; parse_rate says what is wrong
+            except ValueError as exc:
+                messages.append(check(where=where, error=exc))
     known = set(default_rates) | set(declared_throttle_rates()) | set(_limit_names())
     try:
         classes = list(api_settings.DEFAULT_THROTTLE_CLASSES)
     except ImportError as exc:
-        return [
-            *messages,
-            checks.Error(f"REST_FRAMEWORK['DEFAULT_THROTTLE_CLASSES']: {exc}", id="django_tokenbucket.E032"),
-        ]
+        return [*messages, catalogue.E033(error=exc)]
     scoped_views = [
         (view, view.throttle_scope) for view in _api_views(patterns) if getattr(view, "throttle_scope", None)
     ]
@@ -111,23 +103,11 @@ def _throttles_on_two_backends(view: Any, default_classes: list[Any], scoped: An
         return []
     where = "; ".join(f"{alias!r}: {', '.join(map(repr, names))}" for alias, names in stores.items())
     name = f"{view.__module__}.{view.__qualname__}"
-    return [
-        checks.Error(
-            f"{name}'s throttles take from limits stored on different backends ({where}); they are decided "
-            f"together, all-or-nothing, which two stores cannot do.",
-            hint="Give the scopes' limits in TOKENBUCKET['LIMITS'] the same 'backend'.",
-            obj=view,
-            id="django_tokenbucket.E026",
-        )
-    ]
+    return [catalogue.E026(obj=view, view=name, where=where)]
 
 
-def _no_rate(scope: str, where: str) -> checks.Error:
-    return checks.Error(
-        f"throttle scope {scope!r} ({where}) has no rate: every request it meets would fail.",
-        hint="Add it to REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'] (None switches it off) or TOKENBUCKET['LIMITS'].",
-        id="django_tokenbucket.E032",
-    )
+def _no_rate(scope: str, where: str) -> checks.CheckMessage:
+    return catalogue.E032(scope=scope, where=where)
 
 
 def _limit_names() -> list[str]:

@@ -25,13 +25,12 @@ from dataclasses import replace
 from typing import Any
 
 from django.conf import settings
-from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, OperationalError, connections, router, transaction
 from django.db.models import Count
 from django.db.models.expressions import RawSQL
 
-from ... import clock
+from ... import catalogue, clock
 from ...algorithms import State
 from ...keys import EncodedKey
 from ...limits import LimitConfig
@@ -134,7 +133,7 @@ class DatabaseBackend(BaseBackend):
     """
 
     option_names = frozenset(OPTION_DEFAULTS)
-    unknown_option_id = "django_tokenbucket.E013"
+    unknown_option_check = catalogue.E013
     lists_buckets = True
     keeps_labels = True
     counts_cheaply = True
@@ -182,40 +181,27 @@ class DatabaseBackend(BaseBackend):
         for flag in ("FAST_PATH", "ASYNC_COMMIT"):
             if flag in options and not isinstance(options[flag], bool):
                 messages.append(
-                    checks.Error(
-                        f"{setting}['OPTIONS'][{flag!r}] must be True or False, not {options[flag]!r}.",
-                        id="django_tokenbucket.E014",
-                    )
+                    catalogue.E014(setting=setting, option=flag, expected="True or False", value=options[flag])
                 )
         try:
             timeout_option(options.get("TIMEOUT"), setting)
         except ValueError as exc:
-            messages.append(checks.Error(str(exc), id="django_tokenbucket.E015"))
+            messages.append(catalogue.E015(error=exc))
         if not _valid_prepare(options.get("PREPARE", "auto")):
-            messages.append(checks.Error(_prepare_message(setting, options["PREPARE"]), id="django_tokenbucket.E014"))
-        alias = options.get("DATABASE") or router.db_for_write(RateLimit)
-        if alias not in settings.DATABASES:
             messages.append(
-                checks.Error(
-                    f"{setting}['OPTIONS']['DATABASE'] = {alias!r} is not in DATABASES.",
-                    id="django_tokenbucket.E009",
+                catalogue.E014(
+                    setting=setting, option="PREPARE", expected="'auto', True or False", value=options["PREPARE"]
                 )
             )
+        alias = options.get("DATABASE") or router.db_for_write(RateLimit)
+        if alias not in settings.DATABASES:
+            messages.append(catalogue.E009(setting=setting, alias=alias))
             return messages
         connection = connections[alias]
         if connection.vendor == "sqlite":
             mode = str(connection.settings_dict.get("OPTIONS", {}).get("transaction_mode") or "").upper()
             if mode != "IMMEDIATE":
-                messages.append(
-                    checks.Warning(
-                        f"Rate limits are stored in the SQLite database {alias!r} without "
-                        f"IMMEDIATE transactions: concurrent requests will fail with "
-                        f"'database is locked'.",
-                        hint=f"Set DATABASES[{alias!r}]['OPTIONS'] = {{'transaction_mode': "
-                        f"'IMMEDIATE', 'timeout': 5}} (Django 5.1+).",
-                        id="django_tokenbucket.W001",
-                    )
-                )
+                messages.append(catalogue.W001(alias=alias))
         return messages
 
     def _now_sql(self, alias: str) -> str | None:

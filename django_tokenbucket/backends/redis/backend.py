@@ -48,7 +48,7 @@ from redis.cluster import RedisCluster
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
-from ... import clock
+from ... import catalogue, clock
 from ...keys import EncodedKey
 from ...limits import LimitConfig
 from ...settings import tokenbucket_settings
@@ -133,7 +133,7 @@ class RedisBackend(KeyspaceListing, BaseBackend):
     """
 
     option_names = frozenset(_OPTIONS)
-    unknown_option_id = "django_tokenbucket.E021"
+    unknown_option_check = catalogue.E021
     asyncio_native = True
     lists_buckets = True
 

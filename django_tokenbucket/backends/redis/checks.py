@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from django.conf import settings
-from django.core import checks
 from django_redis import get_redis_connection
 
+from ... import catalogue
 from .. import is_django_redis
 
 __all__ = ["check_cache"]
@@ -16,45 +16,17 @@ __all__ = ["check_cache"]
 
 def check_cache(options: Mapping[str, Any], setting: str) -> list[Any]:
     """Check the cache behind a Redis backend: it exists, is django-redis, and never evicts."""
-    messages: list[Any] = []
     alias = options.get("CACHE", "default")
-    hint = (
-        f"Point {setting}['OPTIONS']['CACHE'] at a cache whose BACKEND is 'django_redis.cache.RedisCache' "
-        "(pip install 'dj-tokenbucket[redis]')."
-    )
     cache_settings: dict[str, Any] = getattr(settings, "CACHES", {})
     if not isinstance(alias, str) or alias not in cache_settings:
-        messages.append(
-            checks.Error(
-                f"{setting}['OPTIONS']['CACHE'] = {alias!r} is not an alias in CACHES.",
-                hint=hint,
-                id="django_tokenbucket.E020",
-            )
-        )
-        return messages
+        return [catalogue.E020(setting=setting, alias=alias)]
     cache_backend = cache_settings[alias].get("BACKEND")
     if not is_django_redis(cache_backend):
-        messages.append(
-            checks.Warning(
-                f"The Redis rate-limit backend uses CACHES[{alias!r}], whose BACKEND {cache_backend!r} "
-                f"is not a django-redis cache: every rate-limit call will fail.",
-                hint=hint,
-                id="django_tokenbucket.W020",
-            )
-        )
-        return messages
+        return [catalogue.W020(setting=setting, alias=alias, backend=cache_backend)]
     policy = _eviction_policy(alias)
     if policy is not None and policy != "noeviction":
-        messages.append(
-            checks.Warning(
-                f"The Redis behind CACHES[{alias!r}] has maxmemory-policy {policy!r}: when its memory is "
-                f"full it may delete rate-limit keys, and a deleted bucket reads as full again.",
-                hint="Set maxmemory-policy to 'noeviction' (a full Redis then fails calls, and "
-                "FAIL_OPEN decides), or give the limits a Redis of their own.",
-                id="django_tokenbucket.W021",
-            )
-        )
-    return messages
+        return [catalogue.W021(alias=alias, policy=policy)]
+    return []
 
 
 def _eviction_policy(alias: str) -> str | None:

@@ -1,0 +1,194 @@
+"""Every system check of django_tokenbucket: its id, level, message and hint, in one table.
+
+The checks themselves live with what they check (the core settings in ``checks``, each
+backend's options in its package, each integration's settings in its home); they
+report by calling an entry here with the values its message names::
+
+    catalogue.E011(obj=view, view=view, name=name)
+
+so that an id is written once, a message reads the same wherever it is raised, and
+``docs/settings.md``'s table of checks can be held against this one (a test does).
+An id is never reused for another meaning once released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from django.core import checks
+
+__all__ = ["CATALOGUE", "Check"]
+
+_SETTINGS_HINT = "See the settings reference in the django_tokenbucket docs (docs/settings.md)."
+_BACKENDS_HINT = (
+    "TOKENBUCKET = {{'BACKENDS': {{'default': {{'BACKEND': ..., 'OPTIONS': {{...}}}}, 'fast': {{...}}}}}}, and "
+    "'backend': 'fast' in a limit's config (docs/settings.md#backends)."
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One system check: ``code`` (``"E011"``: E for an error, W for a warning), and the
+    message and hint as ``str.format`` templates of the values it is raised with."""
+
+    code: str
+    message: str
+    hint: str | None = None
+
+    @property
+    def id(self) -> str:
+        return f"django_tokenbucket.{self.code}"
+
+    def __call__(self, obj: Any = None, **values: Any) -> checks.CheckMessage:
+        """Return this check's message for ``values``, about ``obj``."""
+        level = checks.Error if self.code.startswith("E") else checks.Warning
+        hint = None if self.hint is None else self.hint.format(**values)
+        return level(self.message.format(**values), hint=hint, obj=obj, id=self.id)
+
+
+# -- the core settings (checks.py) ------------------------------------------------------
+
+E001 = Check("E001", "TOKENBUCKET must be a dict, not {type}.", _SETTINGS_HINT)
+E002 = Check(
+    "E002",
+    "TOKENBUCKET['LIMITS'] must be a dict of name -> config, not {type}.",
+    "For example: {{'login': {{'kind': 'token bucket', 'rate': '5/m'}}}}.",
+)
+E003 = Check(
+    "E003",
+    "{error}",
+    "A limit is a rate string ('10/m', '5/10m', '1000/day') or a dict with 'rate' (and 'period' for a "
+    "numeric rate), optional 'kind', 'capacity', 'max_reserved' and, for fixed windows, 'start'.",
+)
+E004 = Check(
+    "E004",
+    "rate limits {first!r} and {second!r} differ only in case.",
+    "Databases with case-insensitive collations (MySQL, MariaDB) would store them as one limit; rename one of them.",
+)
+E005 = Check("E005", "{error}.", "The default is {default!r}.")
+E006 = Check("E006", "TOKENBUCKET['FAIL_OPEN'] must be True or False, not {value!r}.")
+E007 = Check(
+    "E007",
+    "TOKENBUCKET['CLOCK'] must be 'store' or 'app', not {value!r}.",
+    "'store' (the default) takes time from the database or Redis, so that app servers with skewed clocks agree.",
+)
+E008 = Check(
+    "E008",
+    "TOKENBUCKET[{setting!r}] must be a non-negative number (a positive integer for RETRY_ATTEMPTS), not {value!r}.",
+)
+E010 = Check("E010", "{error}.", _BACKENDS_HINT)
+E011 = Check(
+    "E011",
+    "{view} uses rate limit {name!r}, which is not in TOKENBUCKET['LIMITS'].",
+    "Define it in TOKENBUCKET['LIMITS'], or give @ratelimit a rate= to define it inline.",
+)
+E012 = Check(
+    "E012",
+    "TOKENBUCKET: {problem}.",
+    "Client addresses decide whose bucket a request uses: see the decorator docs "
+    "(docs/decorator.md, 'Client addresses').",
+)
+E016 = Check("E016", "TOKENBUCKET[{setting!r}] must be True or False, not {value!r}.")
+E017 = Check(
+    "E017",
+    "TOKENBUCKET['KEY_SECRET'] must be None (derived from SECRET_KEY) or a str or bytes of at least 16 characters.",
+    "A short or guessable secret lets anyone with the rows recover keys such as addresses.",
+)
+E018 = Check("E018", "{error}.", _BACKENDS_HINT)
+E019 = Check(
+    "E019",
+    "Rate limit {name!r} is stored on backend {alias!r}, which is not in TOKENBUCKET['BACKENDS'] (aliases: {aliases}).",
+    _BACKENDS_HINT,
+)
+E022 = Check(
+    "E022",
+    "{view} stacks @ratelimit on limits stored on different backends ({where}); a request is decided on all of "
+    "them at once, all-or-nothing, which two stores cannot do.",
+    "Give the limits of one view the same 'backend'.",
+)
+E023 = Check(
+    "E023",
+    "TOKENBUCKET['RESPONSE'] = {value!r} {problem}.",
+    "Give a callable (request, status) -> HttpResponse, or its dotted path.",
+)
+E024 = Check(
+    "E024",
+    "TOKENBUCKET['LOG_INTERVAL'] must be a number of seconds >= 0 (0 logs every store failure), not {value!r}.",
+)
+W002 = Check("W002", "TOKENBUCKET has unknown setting(s): {names}.", "Known settings: {known}.")
+W003 = Check(
+    "W003",
+    "TOKENBUCKET['IP_HEADER'] = {header!r} is ignored: it is honoured only on requests from a trusted proxy "
+    "given by its address, and TRUSTED_PROXIES is {trusted!r}.",
+    "Give TRUSTED_PROXIES as the CIDRs of the proxies that set the header, e.g. ['10.0.0.0/8'].",
+)
+
+# -- the backends' options (each backend's check_options) --------------------------------
+
+E013 = Check("E013", "{setting}['OPTIONS'] has unknown option(s) for {backend}: {names}.", "{backend} takes {known}.")
+E009 = Check("E009", "{setting}['OPTIONS']['DATABASE'] = {alias!r} is not in DATABASES.")
+E014 = Check("E014", "{setting}['OPTIONS'][{option!r}] must be {expected}, not {value!r}.")
+E015 = Check("E015", "{error}")
+W001 = Check(
+    "W001",
+    "Rate limits are stored in the SQLite database {alias!r} without IMMEDIATE transactions: concurrent "
+    "requests will fail with 'database is locked'.",
+    "Set DATABASES[{alias!r}]['OPTIONS'] = {{'transaction_mode': 'IMMEDIATE', 'timeout': 5}} (Django 5.1+).",
+)
+_CACHE_HINT = (
+    "Point {setting}['OPTIONS']['CACHE'] at a cache whose BACKEND is 'django_redis.cache.RedisCache' "
+    "(pip install 'dj-tokenbucket[redis]')."
+)
+E020 = Check("E020", "{setting}['OPTIONS']['CACHE'] = {alias!r} is not an alias in CACHES.", _CACHE_HINT)
+E021 = Check("E021", E013.message, E013.hint)
+W020 = Check(
+    "W020",
+    "The Redis rate-limit backend uses CACHES[{alias!r}], whose BACKEND {backend!r} is not a django-redis cache: "
+    "every rate-limit call will fail.",
+    _CACHE_HINT,
+)
+W021 = Check(
+    "W021",
+    "The Redis behind CACHES[{alias!r}] has maxmemory-policy {policy!r}: when its memory is full it may delete "
+    "rate-limit keys, and a deleted bucket reads as full again.",
+    "Set maxmemory-policy to 'noeviction' (a full Redis then fails calls, and FAIL_OPEN decides), or give the "
+    "limits a Redis of their own.",
+)
+
+# -- the integrations: Celery, DRF, django-ratelimit ----------------------------------------
+
+E025 = Check("E025", "TOKENBUCKET['CELERY']{problem}.")
+E026 = Check(
+    "E026",
+    "{view}'s throttles take from limits stored on different backends ({where}); they are decided together, "
+    "all-or-nothing, which two stores cannot do.",
+    "Give the scopes' limits in TOKENBUCKET['LIMITS'] the same 'backend'.",
+)
+_RATE_HINT = "DRF spellings work: '100/day', '60/min', '3/sec', '1/hr'; also '5/10m'."
+E030 = Check("E030", "{where}: {error}", _RATE_HINT)
+E031 = Check("E031", "{where}: {error}", _RATE_HINT)
+E032 = Check(
+    "E032",
+    "throttle scope {scope!r} ({where}) has no rate: every request it meets would fail.",
+    "Add it to REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'] (None switches it off) or TOKENBUCKET['LIMITS'].",
+)
+E033 = Check("E033", "REST_FRAMEWORK['DEFAULT_THROTTLE_CLASSES']: {error}")
+E040 = Check(
+    "E040",
+    "RATELIMIT_USE_CACHE = {alias!r} is not an alias in CACHES.",
+    "Name a cache in CACHES, or remove the setting to use TOKENBUCKET's backend.",
+)
+E041 = Check("E041", "{setting} must be a prefix length from 0 to {bits}, not {value!r}.")
+E042 = Check("E042", "RATELIMIT_EXCEPTION_CLASS = {value!r}: {error}")
+W040 = Check(
+    "W040",
+    "RATELIMIT_USE_CACHE = {alias!r} is a {backend}, which cannot hold a limit atomically: "
+    "django_tokenbucket.compat.ratelimit keeps its limits in TOKENBUCKET's backend instead.",
+    "Nothing to do if that is what you want; a django-redis cache is used as a Redis backend.",
+)
+
+#: Every check, by code.
+CATALOGUE: dict[str, Check] = {
+    value.code: value for value in list(globals().values()) if isinstance(value, Check)
+}
