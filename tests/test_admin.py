@@ -301,7 +301,7 @@ def test_set_tokens_is_capped_at_the_capacity(rows):
 
 
 def test_actions_on_too_many_rows_are_refused(rows, monkeypatch):
-    monkeypatch.setattr(tb_admin, "MAX_ACTION_ROWS", 2)
+    monkeypatch.setattr(tb_admin.buckets, "MAX_ACTION_ROWS", 2)
     client = client_for(make_user("root", superuser=True))
     response = client.post(CHANGELIST, reset_post([r.pk for r in rows.values()], select_across="1"), follow=True)
     assert "More than 2 keys selected" in response.content.decode()

@@ -135,3 +135,17 @@ def test_imports_inside_functions_are_few_and_each_says_why():
                     inside.append((f"{name}:{node.lineno}", comment))
     assert len(inside) <= MAX_FUNCTION_LEVEL_IMPORTS, inside
     assert [where for where, why in inside if not why] == []
+
+
+#: Lines a module of one of the package's subpackages (backends, admin, integrations) may
+#: hold: each says what it holds by its name, and none grows into a second admin.py.
+MAX_SUBPACKAGE_MODULE_LINES = 600
+
+
+def test_no_module_of_a_subpackage_grows_past_the_bound():
+    too_long = {
+        name: len(path.read_text().splitlines())
+        for name, (path, _tree) in _modules().items()
+        if name.count(".") >= 2 or (path.name == "__init__.py" and name.count(".") == 1)
+    }
+    assert {name: lines for name, lines in too_long.items() if lines > MAX_SUBPACKAGE_MODULE_LINES} == {}

@@ -1,0 +1,189 @@
+"""The admin's actions on rows: reset (delete: a missing row is a full key) and set tokens
+(under the row's lock), each logged with what the key held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from decimal import Decimal
+from typing import Any, cast
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
+from django.contrib.contenttypes.models import ContentType
+from django.db import transaction
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+from django.utils.translation import gettext_lazy as _
+from django.utils.translation import ngettext
+
+from ..algorithms import MICRO, State
+from ..backends.database import database_now as store_now
+from ..limits import LimitConfig
+from ..models import RateLimit
+from ..registry import known_limits
+from ..text import format_tokens
+from . import buckets
+from .buckets import BucketAdminViews
+from .display import _Context, _row
+
+__all__ = ["BucketActions", "SetTokensForm"]
+
+
+
+
+class SetTokensForm(forms.Form):
+    tokens = forms.DecimalField(
+        label=_("Tokens"),
+        min_value=Decimal(0),
+        decimal_places=6,
+        max_digits=24,
+        help_text=_("The value each selected key holds from now on (at most its capacity)."),
+    )
+
+
+class BucketActions(BucketAdminViews):
+    """The actions of ``RateLimitAdmin`` on the selected rows."""
+
+    def _limited_rows(self, request: HttpRequest, queryset: QuerySet[Any]) -> list[RateLimit] | None:
+        rows = list(queryset.order_by()[: buckets.MAX_ACTION_ROWS + 1])
+        if len(rows) > buckets.MAX_ACTION_ROWS:
+            self.message_user(
+                request,
+                _(
+                    "More than %(max)s keys selected: use “manage.py tokenbucket reset NAME” to reset "
+                    "a whole limit. Nothing was changed."
+                )
+                % {"max": f"{buckets.MAX_ACTION_ROWS:,}"},
+                messages.ERROR,
+            )
+            return None
+        return rows
+
+    def _log(self, request: HttpRequest, entries: list[tuple[RateLimit, int, str]]) -> None:
+        content_type = ContentType.objects.get_for_model(RateLimit, for_concrete_model=False)
+        LogEntry.objects.bulk_create(
+            LogEntry(
+                user_id=cast(int, request.user.pk),
+                content_type_id=content_type.pk,
+                object_id=str(obj.pk),
+                object_repr=str(obj)[:200],
+                action_flag=flag,
+                change_message=message,
+            )
+            for obj, flag, message in entries
+        )
+
+    def _describe_now(self, obj: RateLimit, context: _Context) -> str:
+        row = _row(obj, context)
+        if row.live is None:
+            return "limit not configured"
+        return f"{format_tokens(row.live.value)} of {format_tokens(row.live.capacity)} tokens"
+
+    def reset_rows(self, request: HttpRequest, rows: list[RateLimit]) -> int:
+        """Delete ``rows`` (each key starts full again), logging one LogEntry per row."""
+        if not rows:
+            return 0
+        alias = rows[0]._state.db or "default"
+        context = _Context(now=store_now(alias), limits=known_limits())
+        self._log(
+            request,
+            [
+                (obj, DELETION, f"Reset: the key held {self._describe_now(obj, context)}; it starts full again.")
+                for obj in rows
+            ],
+        )
+        deleted, _counts = RateLimit.objects.using(alias).filter(pk__in=[obj.pk for obj in rows]).delete()
+        return deleted
+
+    @admin.action(description=_("Reset selected keys (full again)"), permissions=["reset"])
+    def reset_selected(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        rows = self._limited_rows(request, queryset)
+        if rows is None:
+            return
+        count = self.reset_rows(request, rows)
+        self.message_user(
+            request,
+            ngettext("Reset %(count)d key.", "Reset %(count)d keys.", count) % {"count": count},
+            messages.SUCCESS,
+        )
+
+    @admin.action(description=_("Set tokens of selected keys…"), permissions=["reset"])
+    def set_tokens(self, request: HttpRequest, queryset: QuerySet[Any]) -> TemplateResponse | None:
+        rows = self._limited_rows(request, queryset)
+        if not rows:  # too many, or reset meanwhile
+            return None
+        form = SetTokensForm(request.POST if "apply" in request.POST else None)
+        if form.is_bound and form.is_valid():
+            tokens = form.cleaned_data["tokens"]
+            changed, skipped = self._set_tokens(request, rows, int(tokens * MICRO))
+            self.message_user(
+                request,
+                ngettext("Set %(count)d key to %(tokens)s tokens.", "Set %(count)d keys to %(tokens)s tokens.", changed)
+                % {"count": changed, "tokens": format_tokens(int(tokens * MICRO))},
+                messages.SUCCESS,
+            )
+            if skipped:
+                self.message_user(
+                    request,
+                    ngettext(
+                        "%(count)d key was skipped: its limit is not configured, or it no longer exists.",
+                        "%(count)d keys were skipped: their limit is not configured, or they no longer exist.",
+                        skipped,
+                    )
+                    % {"count": skipped},
+                    messages.WARNING,
+                )
+            return None
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _("Set tokens"),
+            "opts": self.opts,
+            "form": form,
+            "rows": rows[:100],
+            "more": max(0, len(rows) - 100),
+            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
+            "select_across": request.POST.get("select_across", "0"),
+            "action": "set_tokens",
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "media": self.media,
+        }
+        return TemplateResponse(request, "admin/django_tokenbucket/ratelimit/set_tokens.html", context)
+
+    def _set_tokens(self, request: HttpRequest, rows: list[RateLimit], value: int) -> tuple[int, int]:
+        alias = rows[0]._state.db or "default"
+        limits = known_limits()
+        logged: list[tuple[RateLimit, int, str]] = []
+        skipped = 0
+        for obj in rows:
+            known = limits.get(obj.name)
+            if known is None:
+                skipped += 1
+                continue
+            with transaction.atomic(using=alias):
+                # Under the row lock, at the store's time: what live traffic wrote a
+                # moment ago is the state being adjusted, not a stale copy of it.
+                locked = (
+                    RateLimit.objects.using(alias).select_for_update().filter(pk=obj.pk).values_list("value", "ts")
+                )
+                current = next(iter(locked), None)
+                if current is None:
+                    skipped += 1
+                    continue
+                before, new = self._adjusted(known.config, State(*current), obj.key, value, store_now(alias))
+                RateLimit.objects.using(alias).filter(pk=obj.pk).update(value=new.value, ts=new.ts)
+            logged.append((obj, CHANGE, f"Set tokens to {format_tokens(new.value)} (was {format_tokens(before)})."))
+        self._log(request, logged)
+        return len(logged), skipped
+
+    @staticmethod
+    def _adjusted(limit: LimitConfig, state: State, key: str, value: int, now: int) -> tuple[int, State]:
+        """Return the value now and the state that holds ``value`` (capped at the capacity) from now on."""
+        probe = limit.decide(state, now, 0, key, reserve=True)
+        base = probe.state or limit.decide(None, now, 0, key, reserve=True).state
+        assert base is not None
+        # Keep the state's time base: a token bucket's refill phase, a window's start.
+        return probe.value, replace(base, value=min(value, limit.capacity))

@@ -1,0 +1,246 @@
+"""How the admin shows a bucket: its columns, live figures, the capped paginator.
+
+Everything is derived *now* (the store's clock) from the two stored numbers and the
+limit's current config, with the same pure functions the backends decide with.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, cast
+
+from django.contrib import admin
+from django.core.paginator import Paginator
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.utils import timezone
+from django.utils.functional import cached_property
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.translation import gettext_lazy as _
+
+from ..algorithms import MICRO, State
+from ..backends.database import database_now as store_now
+from ..live import LiveState, live_state
+from ..models import RateLimit
+from ..registry import KnownLimit, known_limits
+from ..text import describe_rate, format_duration, format_tokens
+
+__all__ = ["BucketColumns", "CappedPaginator"]
+
+
+_LABEL_SHOWN = 40
+
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_HEX_PREFIX = re.compile(r"[0-9a-f]{8,64}")
+
+
+_UNCONFIGURED = "unconfigured"
+
+
+class CappedPaginator(Paginator):  # type: ignore[type-arg]
+    """A paginator that counts at most ``cap + 1`` rows.
+
+    ``COUNT(*)`` over a million rows is the slowest query of a changelist, and the
+    admin runs it on every page view (``show_full_result_count`` only avoids a second
+    one). Past the cap the list says "more than 10,000" and offers that many pages.
+    """
+
+    cap = 10_000
+
+    @cached_property
+    def count(self) -> int:
+        queryset = cast("QuerySet[Any]", self.object_list)
+        return queryset[: self.cap + 1].count()
+
+    @property
+    def capped(self) -> bool:
+        """Return whether there are more rows than were counted."""
+        return self.count > self.cap
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every row of one request is interpreted with."""
+
+    now: int
+    limits: dict[str, KnownLimit]
+
+
+@dataclass(frozen=True)
+class _Row:
+    known: KnownLimit | None
+    live: LiveState | None
+
+
+def _context(request: HttpRequest, alias: str) -> _Context:
+    # One clock reading per request: every row, filter and count of a page is
+    # interpreted at the same instant, so they agree with each other.
+    cache: dict[str, _Context] = request.__dict__.setdefault("_tokenbucket_admin", {})
+    if alias not in cache:
+        cache[alias] = _Context(now=store_now(alias), limits=known_limits())
+    return cache[alias]
+
+
+def _row(obj: RateLimit, context: _Context) -> _Row:
+    row: _Row | None = getattr(obj, "_tokenbucket_row", None)
+    if row is None:
+        known = context.limits.get(obj.name)
+        live = None
+        if known is not None:
+            live = live_state(known.config, State(obj.value, obj.ts), obj.key, context.now)
+        row = _Row(known, live)
+        obj._tokenbucket_row = row  # type: ignore[attr-defined]
+    return row
+
+
+def _local_time(us: int) -> str:
+    try:
+        moment = timezone.localtime(datetime.fromtimestamp(us / MICRO, tz=UTC))
+    except (OverflowError, OSError, ValueError):
+        return str(us)
+    return moment.strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def _meter(live: LiveState) -> SafeString:
+    # <meter> colours itself from low/high/optimum: below one token (limited) it shows
+    # as bad, full as good, in between as so-so. No inline style needed.
+    return format_html(
+        '<meter class="tb-meter" min="0" max="{}" low="{}" high="{}" optimum="{}" value="{}" title="{} ({}%)"></meter>',
+        live.capacity,
+        live.threshold,
+        live.capacity - 1 if live.capacity > live.threshold else live.capacity,
+        live.capacity,
+        max(0, live.value),
+        live.state,
+        round(live.fill * 100),
+    )
+
+
+def _key_html(label: str, digest: str) -> SafeString:
+    title = f"{label}\ndigest: {digest}" if label else f"digest: {digest}"
+    if not label:
+        return format_html('<span class="tb-digest" title="{}">{}…</span>', title, digest[:12])
+    shown = label if len(label) <= _LABEL_SHOWN else label[: _LABEL_SHOWN - 1] + "…"
+    return format_html('<span class="tb-key" title="{}">{}</span>', title, shown)
+
+
+def _full_again(live: LiveState) -> SafeString | str:
+    if live.full_after == 0:
+        return format_html('<span class="tb-full">{}</span>', _("full"))
+    if live.next_token_after:
+        return format_html(
+            '{}<br><span class="tb-next">{}</span>',
+            _("in %(duration)s") % {"duration": format_duration(live.full_after)},
+            _("next token in %(duration)s") % {"duration": format_duration(live.next_token_after)},
+        )
+    return _("in %(duration)s") % {"duration": format_duration(live.full_after)}
+
+
+class BucketColumns:
+    """The columns and detail fields of a stored bucket, for ``RateLimitAdmin``."""
+
+    _rows_cache: Any
+
+    def _row(self, obj: RateLimit) -> _Row:
+        row: _Row | None = getattr(obj, "_tokenbucket_row", None)
+        if row is not None:
+            return row
+        # The detail page: interpreted on its own, at a fresh clock reading.
+        alias = obj._state.db or "default"
+        return _row(obj, _Context(now=store_now(alias), limits=known_limits()))
+
+    @admin.display(description=_("limit"))
+    def limit_name(self, obj: RateLimit) -> SafeString:
+        if self._row(obj).known is None:
+            return format_html(
+                '{} <span class="tb-unknown" title="{}">{}</span>',
+                obj.name,
+                _("No limit of this name is configured: its rows cannot be interpreted."),
+                _("not configured"),
+            )
+        return format_html("{}", obj.name)
+
+    @admin.display(description=_("key"))
+    def key_label(self, obj: RateLimit) -> SafeString:
+        return _key_html(obj.label, obj.key)
+
+    @admin.display(description=_("key digest"))
+    def key_digest(self, obj: RateLimit) -> str:
+        return obj.key
+
+    @admin.display(description=_("tokens now"))
+    def tokens_now(self, obj: RateLimit) -> SafeString | str:
+        live = self._row(obj).live
+        if live is None:
+            return "—"
+        text = format_tokens(live.value, places=2)
+        if live.value < 0:
+            return format_html('<span class="tb-debt" title="{}">{}</span>', _("reserved ahead"), text)
+        return format_html('<span title="{}">{}</span>', format_tokens(live.value), text)
+
+    @admin.display(description=_("tokens now"))
+    def tokens(self, obj: RateLimit) -> SafeString | str:
+        """The fill meter over "tokens of capacity · percent", for the list."""
+        known, live = self._row(obj).known, self._row(obj).live
+        if live is None or known is None:
+            return "—"
+        return format_html(
+            '{}<br><span class="tb-tokens">{} {} {}</span>',
+            _meter(live),
+            self.tokens_now(obj),
+            _("of"),
+            format_tokens(known.config.capacity),
+        )
+
+    @admin.display(description=_("capacity"))
+    def capacity(self, obj: RateLimit) -> str:
+        known = self._row(obj).known
+        return "—" if known is None else format_tokens(known.config.capacity)
+
+    @admin.display(description=_("fill"))
+    def fill_level(self, obj: RateLimit) -> SafeString | str:
+        live = self._row(obj).live
+        if live is None:
+            return "—"
+        return format_html('{} <span class="tb-percent">{}%</span>', _meter(live), round(live.fill * 100))
+
+    @admin.display(description=_("full again"))
+    def full_again(self, obj: RateLimit) -> SafeString | str:
+        live = self._row(obj).live
+        return "—" if live is None else _full_again(live)
+
+    @admin.display(description=_("next token"))
+    def next_token(self, obj: RateLimit) -> str:
+        live = self._row(obj).live
+        if live is None:
+            return "—"
+        if live.next_token_after == 0:
+            return str(_("available now"))
+        return _("in %(duration)s") % {"duration": format_duration(live.next_token_after)}
+
+    @admin.display(description=_("last update"))
+    def last_update(self, obj: RateLimit) -> SafeString:
+        return format_html(
+            '<span title="{}">{}</span>',
+            _("Time of the stored value (for fixed windows: the start of its window)"),
+            _local_time(obj.ts),
+        )
+
+    @admin.display(description=_("stored value (µ-tokens)"))
+    def stored_value(self, obj: RateLimit) -> str:
+        return f"{obj.value} ({format_tokens(obj.value)} tokens)"
+
+    @admin.display(description=_("stored ts (µs since the epoch)"))
+    def stored_ts(self, obj: RateLimit) -> str:
+        return str(obj.ts)
+
+    @admin.display(description=_("config"))
+    def config_text(self, obj: RateLimit) -> str:
+        known = self._row(obj).known
+        if known is None:
+            return str(_("not configured: no limit of this name is known to this process"))
+        return f"{describe_rate(known.config)} ({known.source})"
