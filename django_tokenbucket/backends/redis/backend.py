@@ -1,7 +1,7 @@
 """Limits in Redis, through a django-redis cache alias.
 
-Each decision is one Lua script (``django_tokenbucket/lua/decide.lua``, with the big-number
-helpers of ``lua/bignum.lua`` joined in): it reads the state of every limit of the call,
+Each decision is one Lua script (``lua/decide.lua`` of this package, with the big-number
+helpers of ``lua/bignum.lua`` joined in: ``script``): it reads the state of every limit of the call,
 takes the time from Redis' ``TIME``, decides all or nothing with the same integer
 arithmetic as ``algorithms`` and writes what changed, atomically. Every written key
 expires when its bucket would be full again, so an absent key means "fresh" and idle
@@ -16,7 +16,7 @@ Unlike the database backend, a decision does not join the caller's database
 transaction: a rollback does not return the tokens.
 
 The async API (``alimit``...) decides on redis-py's asyncio client, built from the same
-cache settings (``redis_asyncio``), one per event loop: no thread per decision.
+cache settings (``aio``), one per event loop: no thread per decision.
 
 For the admin and the command, a limit's buckets are listed with ``SCAN`` (``MATCH`` on
 the limit's key pattern, a bounded ``COUNT``, on every primary of a cluster), never

@@ -1,6 +1,6 @@
 """The decision script: its source, the arguments it is sent and the replies it gives.
 
-``lua/decide.lua`` is the Redis port of ``algorithms`` (``algorithms.PORTS``); its numbers
+``lua/decide.lua`` is the Redis port of ``algorithms``; its numbers
 travel as MessagePack, packed here once per limit and per call, and its replies are
 read back into the ``Decision`` and ``Outcome`` the reference returns.
 """
