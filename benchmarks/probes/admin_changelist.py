@@ -3,7 +3,7 @@
 Times the admin pages on an empty table, with 100 rows (one page to render), then
 with ``--rows`` rows, in one run on a throwaway database:
 
-    TOKENBUCKET_TEST_DB=postgres .venv/bin/python benchmarks/admin_changelist.py --rows 100000
+    TOKENBUCKET_TEST_DB=postgres .venv/bin/python benchmarks/probes/admin_changelist.py --rows 100000
 
 Prints one JSON object: per page, median / p95 / max milliseconds of ``--repeat``
 requests through Django's test client (a logged-in superuser): empty, 100 rows, loaded.

@@ -1,6 +1,6 @@
 """The PostgreSQL fast path against its floors, interleaved in one run.
 
-    TOKENBUCKET_TEST_DB=postgres python benchmarks/pg_fast_path.py [--rounds 7] [--calls 300]
+    TOKENBUCKET_TEST_DB=postgres python benchmarks/probes/pg_fast_path.py [--rounds 7] [--calls 300]
         [--database tb_pg_fast_path] [--option PREPARE=False] [--port 6432] [--turns call]
 
 Each round times ``--calls`` calls of each of these, one after the other (``--turns
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 os.environ.setdefault("TOKENBUCKET_TEST_DB", "postgres")

@@ -5,10 +5,10 @@ PING is the floor for any Redis call (one round trip, no work); the difference i
 the decision costs: building the arguments, the Lua script, and parsing the reply.
 Rounds of each kind alternate, so that both see the same machine load.
 
-    .venv/bin/python benchmarks/redis_vs_ping.py                      # 127.0.0.1:6379, db 15
-    .venv/bin/python benchmarks/redis_vs_ping.py --url redis://host:6379/3 --seconds 5
-    .venv/bin/python benchmarks/redis_vs_ping.py --cluster redis://127.0.0.1:7000
-    .venv/bin/python benchmarks/redis_vs_ping.py --processes 4       # aggregate throughput
+    .venv/bin/python benchmarks/probes/redis_vs_ping.py                      # 127.0.0.1:6379, db 15
+    .venv/bin/python benchmarks/probes/redis_vs_ping.py --url redis://host:6379/3 --seconds 5
+    .venv/bin/python benchmarks/probes/redis_vs_ping.py --cluster redis://127.0.0.1:7000
+    .venv/bin/python benchmarks/probes/redis_vs_ping.py --processes 4       # aggregate throughput
 
 Not a test: it asserts nothing and prints a table (and, with --json, one JSON line).
 """
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def configure(url: str, cluster: bool) -> None:

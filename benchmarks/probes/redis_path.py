@@ -19,8 +19,8 @@ load on a shared machine; the ratios are what to read):
 2. ``--processes`` (8) processes on one hot key, started together: decisions/s, and
    admissions against what the algorithm allows in that time (over-admission must be 0).
 
-    python benchmarks/redis_path.py                       # about a minute
-    python benchmarks/redis_path.py --rounds 9 --json out.json
+    python benchmarks/probes/redis_path.py                       # about a minute
+    python benchmarks/probes/redis_path.py --rounds 9 --json out.json
 
 Not a test: it asserts nothing. Redis database 13 (``--db``), keys under ``tbpath`` only,
 deleted before and after.
@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 PREFIX = "tbpath"
 RATE, PERIOD = 100, 1  # 100 per second, burst 100

@@ -4,7 +4,7 @@ Loads ``--rows`` rows (``--idle`` of them idle) into a throwaway database, measu
 decision latency of live traffic (a separate process calling ``limiter.limit`` in a
 closed loop) without and then during a cleanup run, and reports the cleanup figures:
 
-    TOKENBUCKET_TEST_DB=postgres .venv/bin/python benchmarks/cleanup.py --rows 100000
+    TOKENBUCKET_TEST_DB=postgres .venv/bin/python benchmarks/probes/cleanup.py --rows 100000
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from /proc: on a shared machine the steadier figure). OVERHEAD is a view's p50 m
 baseline's p50, +CPU its CPU per request minus the baseline's, in the same rounds. The
 limit allows every request (10^6 per second, one bucket).
 
-    python benchmarks/asgi_async.py                 # about a minute
-    python benchmarks/asgi_async.py --quick         # about 15 s
-    python benchmarks/asgi_async.py --json out.json
+    python benchmarks/probes/asgi_async.py                 # about a minute
+    python benchmarks/probes/asgi_async.py --quick         # about 15 s
+    python benchmarks/probes/asgi_async.py --json out.json
 
 Needs uvicorn (``pip install uvicorn``) and Redis on REDIS_HOST/REDIS_PORT (127.0.0.1:6379);
 it uses Redis database 13 and only keys under ``tbasgi``. Not a test: it asserts nothing
@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REDIS_HOST = os.environ.get("REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("REDIS_PORT", "6379"))
 REDIS_URL = f"redis://{REDIS_HOST}:{REDIS_PORT}/13"
@@ -288,7 +288,7 @@ def main() -> None:
     env = {**os.environ, "TB_ASGI_BENCH_SERVE": "1", "PYTHONPATH": str(ROOT)}
     server = subprocess.Popen(
         [
-            sys.executable, "-m", "uvicorn", "benchmarks.asgi_async:application",
+            sys.executable, "-m", "uvicorn", "benchmarks.probes.asgi_async:application",
             "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
             "--loop", "asyncio", "--http", "h11", "--no-access-log", "--log-level", "warning",
         ],
