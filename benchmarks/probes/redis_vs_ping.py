@@ -36,6 +36,8 @@ def configure(url: str, cluster: bool) -> None:
     if cluster:
         options["CONNECTION_FACTORY"] = "django_tokenbucket.backends.redis.ClusterConnectionFactory"
     settings.configure(
+        # Keys are HMACs under SECRET_KEY: without one no decision can be made.
+        SECRET_KEY="benchmark-only",
         INSTALLED_APPS=["django_tokenbucket"],
         CACHES={
             "default": {
