@@ -15,12 +15,14 @@ import argparse
 import json
 import time
 
-from _setup import DB, bench_database, load_rows, summarise, table_size, timed  # configures Django: first
+from _setup import DB, bench_database, load_rows, table_size  # configures Django: first
 
 # isort: split
 
 from django.contrib.auth.models import User
 from django.test import Client
+
+from benchmarks.probes.timing import summarise, timed
 
 CHANGELIST = "/admin/django_tokenbucket/ratelimit/"
 PAGES = {
