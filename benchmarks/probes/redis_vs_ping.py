@@ -87,7 +87,10 @@ def measure(seconds: float, rounds: int, worker: int = 0) -> dict[str, float]:
 def _worker(url: str, cluster: bool, seconds: float, rounds: int, index: int) -> dict[str, float]:
     """One client process of ``--processes``: its own Django, then its figures."""
     configure(url, cluster)
-    return measure(seconds, rounds, index)
+    figures = measure(seconds, rounds, index)
+    # Its keys are under a prefix of its own (its process id): the main process's cleanup misses them.
+    cleanup()
+    return figures
 
 
 def cleanup() -> None:
