@@ -2,8 +2,8 @@
 
 ``TOKENBUCKET_TEST_DB`` picks the database (sqlite, postgres, mariadb) as for the test
 suite. The probe gets its own test database (``tokenbucket_bench``), created and
-destroyed around the run, so it never touches real data or a concurrent test run. Their
-timing is timing.py's, as every probe's.
+destroyed around the run, so it never touches real data or a concurrent test run. They
+time what they measure with timing.py, as every probe does.
 """
 
 from __future__ import annotations
