@@ -1,15 +1,16 @@
 # Benchmarks (issues 8 and 19). `make bench` creates .venv-bench with the package, its Redis,
 # DRF and PostgreSQL extras and the peers it is compared with (the `bench` extra), then
-# runs benchmarks/peers.py against PostgreSQL and Redis on 127.0.0.1 (PGHOST/PGPORT/
-# PGUSER, REDIS_HOST/REDIS_PORT), then benchmarks/http_stack.py (our DRF throttle and
+# runs benchmarks/suite/peers.py against PostgreSQL and Redis on 127.0.0.1 (PGHOST/PGPORT/
+# PGUSER, REDIS_HOST/REDIS_PORT), then benchmarks/suite/http_stack.py (our DRF throttle and
 # @ratelimit through Django's request handler, next to DRF's throttle and django-ratelimit's
 # decorator), each writing its figures as JSON under benchmarks/results/ (git-ignored),
-# and then benchmarks/report.py, which prints issue 19's targets, met or missed, and
+# and then benchmarks/suite/report.py, which prints issue 19's targets, met or missed, and
 # rewrites the tables of docs/benchmarks.md from the JSON of this run (one run id for the
 # three). About 6 minutes on 2 cores.
 # `make bench-quick` (about 2 minutes) and `make bench-http` (the HTTP stack alone) print
 # their figures and leave the docs alone.
 # Knobs: BENCH_ARGS for peers.py, BENCH_HTTP_ARGS for http_stack.py. See docs/benchmarks.md.
+# The probes of benchmarks/probes/ are no part of it: each runs by hand (see its --help).
 
 PYTHON ?= python3
 BENCH_VENV := .venv-bench
@@ -17,6 +18,7 @@ BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.installed
 BENCH_ARGS ?=
 BENCH_HTTP_ARGS ?=
+BENCH_SUITE := benchmarks/suite
 BENCH_RESULTS := benchmarks/results
 # Expanded once: every step of one `make bench` records the same run id.
 BENCH_RUN := $(shell date -u +%Y%m%dT%H%M%SZ)-$(shell echo $$$$)
@@ -32,17 +34,17 @@ $(BENCH_STAMP): setup.cfg pyproject.toml
 	touch $@
 
 bench: $(BENCH_STAMP)
-	$(BENCH_PY) benchmarks/peers.py --run-id $(BENCH_RUN) --json $(BENCH_RESULTS)/peers.json $(BENCH_ARGS)
-	$(BENCH_PY) benchmarks/http_stack.py --run-id $(BENCH_RUN) --json $(BENCH_RESULTS)/http.json $(BENCH_HTTP_ARGS)
-	$(BENCH_PY) benchmarks/report.py $(BENCH_RESULTS)/peers.json $(BENCH_RESULTS)/http.json \
+	$(BENCH_PY) $(BENCH_SUITE)/peers.py --run-id $(BENCH_RUN) --json $(BENCH_RESULTS)/peers.json $(BENCH_ARGS)
+	$(BENCH_PY) $(BENCH_SUITE)/http_stack.py --run-id $(BENCH_RUN) --json $(BENCH_RESULTS)/http.json $(BENCH_HTTP_ARGS)
+	$(BENCH_PY) $(BENCH_SUITE)/report.py $(BENCH_RESULTS)/peers.json $(BENCH_RESULTS)/http.json \
 		--run-id $(BENCH_RUN) --docs docs/benchmarks.md
 
 bench-http: $(BENCH_STAMP)
-	$(BENCH_PY) benchmarks/http_stack.py --json $(BENCH_RESULTS)/http-only.json $(BENCH_HTTP_ARGS)
+	$(BENCH_PY) $(BENCH_SUITE)/http_stack.py --json $(BENCH_RESULTS)/http-only.json $(BENCH_HTTP_ARGS)
 
 bench-quick: $(BENCH_STAMP)
-	$(BENCH_PY) benchmarks/peers.py --quick --run-id $(BENCH_RUN) --json $(BENCH_RESULTS)/quick-peers.json $(BENCH_ARGS)
-	$(BENCH_PY) benchmarks/http_stack.py --quick --run-id $(BENCH_RUN) --json $(BENCH_RESULTS)/quick-http.json \
+	$(BENCH_PY) $(BENCH_SUITE)/peers.py --quick --run-id $(BENCH_RUN) --json $(BENCH_RESULTS)/quick-peers.json $(BENCH_ARGS)
+	$(BENCH_PY) $(BENCH_SUITE)/http_stack.py --quick --run-id $(BENCH_RUN) --json $(BENCH_RESULTS)/quick-http.json \
 		$(BENCH_HTTP_ARGS)
-	$(BENCH_PY) benchmarks/report.py $(BENCH_RESULTS)/quick-peers.json $(BENCH_RESULTS)/quick-http.json \
+	$(BENCH_PY) $(BENCH_SUITE)/report.py $(BENCH_RESULTS)/quick-peers.json $(BENCH_RESULTS)/quick-http.json \
 		--run-id $(BENCH_RUN)

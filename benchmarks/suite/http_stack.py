@@ -6,7 +6,7 @@ DRF's own throttle").
 Every request goes through a ``WSGIHandler`` in this process (middleware, URL
 resolution, the view, its throttle or decorator, rendering, ``request_finished``), with a
 ``RequestFactory`` environ: no server and no socket between client and Django, so the
-figures are the stack's and not a server's. The views (benchmarks/http_views.py):
+figures are the stack's and not a server's. The views (benchmarks/suite/http_views.py):
 
     DRF APIView        no throttle (baseline)
                        + django_tokenbucket.throttling.UserRateThrottle, on Redis / on PostgreSQL
@@ -19,7 +19,7 @@ all with peers.py's limit, 100 per second with a burst of 100, on the same Postg
 Redis. ``TOKENBUCKET`` is process-wide, so the views of ours on Redis and those on
 PostgreSQL each run in a worker process of their own configuration, the baselines and
 peers in a third; the main process runs the rounds across them, one worker at a time in
-rotating order (benchmarks/harness.py). Phases:
+rotating order (benchmarks/suite/harness.py). Phases:
 
 1. sanity: on variants allowing 5 per hour, each limited view answers 200 five times,
    then 429; otherwise the run stops.
@@ -33,12 +33,12 @@ rounds and mode. The users come from an authentication class that makes no query
 same for every DRF view, so that sessions are no part of any figure.
 
     make bench-http
-    .venv-bench/bin/python benchmarks/http_stack.py --json benchmarks/results/http.json
-    .venv-bench/bin/python benchmarks/http_stack.py --quick     # about 30 s
+    .venv-bench/bin/python benchmarks/suite/http_stack.py --json benchmarks/results/http.json
+    .venv-bench/bin/python benchmarks/suite/http_stack.py --quick     # about 30 s
 
 Not a test: it asserts nothing about speed. PostgreSQL: database
 ``tokenbucket_bench_http``, created and dropped here. Redis: database 14, keys under
-``tbhttp`` only (see benchmarks/http_settings.py).
+``tbhttp`` only (see benchmarks/suite/http_settings.py).
 """
 
 from __future__ import annotations
@@ -51,17 +51,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import harness, peers  # noqa: E402
+from benchmarks.suite import harness, peers  # noqa: E402
 
 # Importing peers points Django at its settings: ours are the same on other stores.
-os.environ["DJANGO_SETTINGS_MODULE"] = "benchmarks.http_settings"
+os.environ["DJANGO_SETTINGS_MODULE"] = "benchmarks.suite.http_settings"
 
 DRF, FUNCTION = "DRF view", "function view"
-SETTINGS = "benchmarks.http_settings"
-FACTORY = "benchmarks.http_stack:make_views"
+SETTINGS = "benchmarks.suite.http_settings"
+FACTORY = "benchmarks.suite.http_stack:make_views"
 
 
 def _start_response(status: str, headers: list[tuple[str, str]], exc_info: object = None) -> None:
@@ -93,7 +93,7 @@ class View(peers.Adapter):
         from django.core.handlers.wsgi import WSGIHandler
         from django.test import RequestFactory
 
-        from benchmarks.http_views import USER_HEADER
+        from benchmarks.suite.http_views import USER_HEADER
 
         self.name, self.group, self.family, self.store, self.algorithm = name, group, family, store, algorithm
         self.path = path
@@ -299,7 +299,7 @@ def main() -> None:
     # The workers and the coordinator read these settings, each with its own configuration.
     os.environ["DJANGO_SETTINGS_MODULE"] = SETTINGS
     peers.setup_django()
-    from benchmarks.stores import bench_stores, machine
+    from benchmarks.suite.stores import bench_stores, machine
 
     started = time.perf_counter()
     # Other work on the machine shows in every figure: the load is recorded with them.

@@ -273,7 +273,7 @@ class Host:
 
     def memory(self, spec: str, decisions: int = 10) -> dict[str, dict[str, int]]:
         """Bytes Redis uses (MEMORY USAGE) for one key's state after ``decisions`` allowed calls."""
-        from benchmarks.stores import clear_redis, redis_client
+        from benchmarks.suite.stores import clear_redis, redis_client
 
         client = redis_client()
         out = {}

@@ -19,8 +19,8 @@ load on a shared machine; the ratios are what to read):
 2. ``--processes`` (8) processes on one hot key, started together: decisions/s, and
    admissions against what the algorithm allows in that time (over-admission must be 0).
 
-    python benchmarks/redis_path.py                       # about a minute
-    python benchmarks/redis_path.py --rounds 9 --json out.json
+    python benchmarks/probes/redis_path.py                       # about a minute
+    python benchmarks/probes/redis_path.py --rounds 9 --json out.json
 
 Not a test: it asserts nothing. Redis database 13 (``--db``), keys under ``tbpath`` only,
 deleted before and after.
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import os
 import statistics
 import sys
@@ -40,7 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.probes import timing
 
 PREFIX = "tbpath"
 RATE, PERIOD = 100, 1  # 100 per second, burst 100
@@ -154,27 +155,18 @@ def latencies(rounds: int, calls: int) -> dict[str, dict[str, list[float]]]:
     of load from another process on the machine hits all of them alike.
     """
     impls = adapters()
-    names = list(impls)
-    samples: dict[str, dict[str, list[float]]] = {s: {n: [] for n in names} for s in ("fresh", "hot")}
-    clock = time.perf_counter_ns
-    for name in names:  # warm up: connections, script caches, first-call imports
-        for i in range(200):
-            impls[name](f"warm-{i}")
+    samples: dict[str, dict[str, list[float]]] = {s: {n: [] for n in impls} for s in ("fresh", "hot")}
+    timing.warm_up(impls.values(), [(f"warm-{i}",) for i in range(200)])
     for r in range(rounds):
         for scenario in ("fresh", "hot"):
-            out = samples[scenario]
-            for i in range(calls):
-                key = f"{scenario}-{r}-{i}" if scenario == "fresh" else f"hot-{r}"
-                shift = i % len(names)
-                for name in names[shift:] + names[:shift]:
-                    started = clock()
-                    impls[name](key)
-                    out[name].append((clock() - started) / 1000)
+            keys = [f"{scenario}-{r}-{i}" if scenario == "fresh" else f"hot-{r}" for i in range(calls)]
+            for name, taken in timing.take_turns(impls, keys, by_call=True, rotating=True).items():
+                samples[scenario][name] += [latency * 1e6 for latency in taken]
     return samples
 
 
-def _hammer(args: tuple[int, str, str, float, float], queue: Any) -> None:
-    db, name, key, start_at, seconds = args
+def _hammer(db: int, name: str, key: str, start_at: float, seconds: float) -> tuple[int, int, float, float]:
+    """One of the processes on the hot key: calls and admissions from ``start_at`` for ``seconds``."""
     configure(db)
     decide = adapters()[name]
     decide("warm-up-" + str(os.getpid()))
@@ -190,48 +182,37 @@ def _hammer(args: tuple[int, str, str, float, float], queue: Any) -> None:
         if time.time() >= deadline:
             break
     # Wall-clock times: the span of the run is from the first start to the last end.
-    queue.put((calls, admitted, started, time.time()))
+    return calls, admitted, started, time.time()
 
 
 def processes(
     db: int, processes: int, seconds: float, repeats: int, names: list[str]
 ) -> dict[str, list[dict[str, Any]]]:
-    context = multiprocessing.get_context("spawn")
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            queue = context.Queue()
-            key = f"mp-{r}-{name.replace(' ', '-')}"
-            start_at = time.time() + 6.0  # spawning 8 interpreters on 2 cores takes a while
-            workers = [
-                context.Process(target=_hammer, args=((db, name, key, start_at, seconds), queue))
-                for _ in range(processes)
-            ]
-            for worker in workers:
-                worker.start()
-            figures = [queue.get(timeout=seconds + 120) for _ in workers]
-            for worker in workers:
-                worker.join()
-            calls = sum(f[0] for f in figures)
-            admitted = sum(f[1] for f in figures)
-            elapsed = max(f[3] for f in figures) - min(f[2] for f in figures)
-            windows = elapsed / PERIOD
-            # A token bucket admits its burst plus its refill; a fixed window at most
-            # floor(Δ/W) + 2 windows' worth.
-            bound = (
-                RATE + RATE * windows
-                if name != "limits fixed window" and name != "django-ratelimit"
-                else RATE * (math.floor(windows) + 2)
-            )
-            results[name].append(
-                {
-                    "per_s": calls / elapsed,
-                    "admitted": admitted,
-                    "bound": bound,
-                    "over": max(0, admitted - math.floor(bound)),
-                }
-            )
-    return results
+    def run(name: str, r: int) -> dict[str, Any]:
+        """``processes`` processes of ``name`` on a hot key of this run, started together."""
+        key = f"mp-{r}-{name.replace(' ', '-')}"
+        start_at = time.time() + 6.0  # spawning 8 interpreters on 2 cores takes a while
+        pool = [(db, name, key, start_at, seconds)] * processes
+        figures = timing.in_processes(_hammer, pool, timeout=seconds + 120)
+        calls = sum(f[0] for f in figures)
+        admitted = sum(f[1] for f in figures)
+        elapsed = max(f[3] for f in figures) - min(f[2] for f in figures)
+        windows = elapsed / PERIOD
+        # A token bucket admits its burst plus its refill; a fixed window at most
+        # floor(Δ/W) + 2 windows' worth.
+        bound = (
+            RATE + RATE * windows
+            if name != "limits fixed window" and name != "django-ratelimit"
+            else RATE * (math.floor(windows) + 2)
+        )
+        return {
+            "per_s": calls / elapsed,
+            "admitted": admitted,
+            "bound": bound,
+            "over": max(0, admitted - math.floor(bound)),
+        }
+
+    return timing.in_rounds(names, repeats, run, rotating=True)
 
 
 def main() -> None:
@@ -263,8 +244,8 @@ def main() -> None:
     for name in names:
         row = {}
         for scenario in ("fresh", "hot"):
-            values = sorted(samples[scenario][name])
-            row[scenario] = {"p50": statistics.median(values), "p99": values[int(len(values) * 0.99)]}
+            values = samples[scenario][name]
+            row[scenario] = {"p50": statistics.median(values), "p99": timing.percentile(values, 0.99)}
         report["latency_us"][name] = row
         print(
             f"{name:22} {row['fresh']['p50']:10.1f} {row['fresh']['p99']:8.1f} "
@@ -272,11 +253,11 @@ def main() -> None:
         )
     lat = report["latency_us"]
     for scenario in ("fresh", "hot"):
-        ours = lat["ours"][scenario]["p50"]
+        p50 = {name: row[scenario]["p50"] for name, row in lat.items()}
         print(
-            f"{scenario}: ours / raw EVALSHA {ours / lat['raw EVALSHA'][scenario]['p50']:.3f} (target <= 1.15), "
-            f"ours / limits {ours / lat['limits fixed window'][scenario]['p50']:.3f} (<= 1.1), "
-            f"ours / django-ratelimit {ours / lat['django-ratelimit'][scenario]['p50']:.3f} (< 1)"
+            f"{scenario}: ours / raw EVALSHA {timing.ratio(p50['ours'], p50['raw EVALSHA']):.3f} (target <= 1.15), "
+            f"ours / limits {timing.ratio(p50['ours'], p50['limits fixed window']):.3f} (<= 1.1), "
+            f"ours / django-ratelimit {timing.ratio(p50['ours'], p50['django-ratelimit']):.3f} (< 1)"
         )
     if mp:
         print(f"\n{args.processes} processes on one hot key, {args.seconds:g} s each, {args.repeats} runs")
@@ -288,10 +269,10 @@ def main() -> None:
                 f"{name:22} {statistics.median(rates):10,.0f} dec/s   "
                 f"runs {[round(x) for x in rates]}   over-admitted {overs}"
             )
-        ours_rate = report["processes"]["ours"]["per_s"]
-        print(
-            f"ours / limits throughput {ours_rate / report['processes']['limits fixed window']['per_s']:.3f} (>= 0.8)"
+        throughput = timing.ratio(
+            report["processes"]["ours"]["per_s"], report["processes"]["limits fixed window"]["per_s"]
         )
+        print(f"ours / limits throughput {throughput:.3f} (>= 0.8)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -1,23 +1,22 @@
-"""Shared set-up of the benchmarks: Django with tests/settings.py on a throwaway database.
+"""Django with tests/settings.py on a throwaway database, for cleanup.py and admin_changelist.py.
 
 ``TOKENBUCKET_TEST_DB`` picks the database (sqlite, postgres, mariadb) as for the test
-suite. The benchmark gets its own test database (``tokenbucket_bench``), created and
-destroyed around the run, so it never touches real data or a concurrent test run.
+suite. The probe gets its own test database (``tokenbucket_bench``), created and
+destroyed around the run, so it never touches real data or a concurrent test run. They
+time what they measure with timing.py, as every probe does.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 os.environ.setdefault("TOKENBUCKET_TEST_TMP", tempfile.gettempdir())
@@ -37,7 +36,7 @@ from django_tokenbucket.models import RateLimit  # noqa: E402
 from django_tokenbucket.registry import known_limits  # noqa: E402
 from django_tokenbucket.state import cleanup_span  # noqa: E402
 
-__all__ = ["DB", "bench_database", "load_rows", "summarise", "table_size", "timed"]
+__all__ = ["DB", "bench_database", "load_rows", "table_size"]
 
 DB = settings.DB
 
@@ -95,29 +94,6 @@ def load_rows(
         with connections["default"].cursor() as cursor:
             cursor.execute("ANALYZE TABLE django_tokenbucket_ratelimit")
             cursor.fetchall()
-
-
-def timed(call: Callable[[], Any], repeat: int) -> list[float]:
-    """Return the wall times (ms) of ``repeat`` calls, after one warm-up call."""
-    import time
-
-    call()
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1000)
-    return times
-
-
-def summarise(times: list[float]) -> dict[str, float]:
-    ordered = sorted(times)
-    return {
-        "median_ms": round(statistics.median(ordered), 1),
-        "p95_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))], 1),
-        "p99_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 1),
-        "max_ms": round(ordered[-1], 1),
-    }
 
 
 def table_size() -> float | None:

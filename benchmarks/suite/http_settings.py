@@ -1,4 +1,4 @@
-"""Settings of ``benchmarks/http_stack.py``: peers.py's, on stores of its own, with a request stack.
+"""Settings of ``benchmarks/suite/http_stack.py``: peers.py's, on stores of its own, with a request stack.
 
 The PostgreSQL database ``tokenbucket_bench_http`` and the Redis keys under ``tbhttp`` (in
 Redis database 14) belong to this benchmark alone, so that it can run while peers.py
@@ -6,8 +6,8 @@ does; both are created and cleared by the benchmark. The test suite's databases
 (``test``/``test_test`` on PostgreSQL, Redis database 15) are never touched.
 """
 
-from benchmarks import peers_settings as base
-from benchmarks.peers_settings import *  # noqa: F403 - peers.py's settings, overridden below
+from benchmarks.suite import peers_settings as base
+from benchmarks.suite.peers_settings import *  # noqa: F403 - peers.py's settings, overridden below
 
 PG_DATABASE = "tokenbucket_bench_http"
 DATABASES = {"default": {**base.DATABASES["default"], "NAME": PG_DATABASE}}
@@ -15,7 +15,7 @@ DATABASES = {"default": {**base.DATABASES["default"], "NAME": PG_DATABASE}}
 REDIS_PREFIX = "tbhttp"
 CACHES = {"default": {**base.CACHES["default"], "KEY_PREFIX": REDIS_PREFIX}}
 
-ROOT_URLCONF = "benchmarks.http_views"
+ROOT_URLCONF = "benchmarks.suite.http_views"
 ALLOWED_HOSTS = ["testserver"]  # what RequestFactory's environ names
 # A small production-like stack, the same for every view. No sessions or auth middleware:
 # the users come from an authentication class that makes no query (see http_views), so
@@ -26,7 +26,7 @@ MIDDLEWARE = [
     # django-ratelimit's documented way to answer 429 rather than its default 403.
     "django_ratelimit.middleware.RatelimitMiddleware",
 ]
-RATELIMIT_VIEW = "benchmarks.http_views.ratelimited"
+RATELIMIT_VIEW = "benchmarks.suite.http_views.ratelimited"
 
 REST_FRAMEWORK = {
     # The views name their authentication class: importing it from here would import

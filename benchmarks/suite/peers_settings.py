@@ -1,4 +1,4 @@
-"""Settings of ``benchmarks/peers.py``: its own PostgreSQL database and its own Redis database.
+"""Settings of ``benchmarks/suite/peers.py``: its own PostgreSQL database and its own Redis database.
 
 The database ``tokenbucket_bench`` is created (dropped first if a crashed run left it)
 and dropped by the benchmark; Redis database 14 holds only keys under the ``tbbench``
@@ -16,7 +16,7 @@ INSTALLED_APPS = [
     "django.contrib.auth",
     "rest_framework",
     "django_tokenbucket",
-    "benchmarks.textbook",
+    "benchmarks.suite.textbook",
 ]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -21,9 +21,9 @@ from /proc: on a shared machine the steadier figure). OVERHEAD is a view's p50 m
 baseline's p50, +CPU its CPU per request minus the baseline's, in the same rounds. The
 limit allows every request (10^6 per second, one bucket).
 
-    python benchmarks/asgi_async.py                 # about a minute
-    python benchmarks/asgi_async.py --quick         # about 15 s
-    python benchmarks/asgi_async.py --json out.json
+    python benchmarks/probes/asgi_async.py                 # about a minute
+    python benchmarks/probes/asgi_async.py --quick         # about 15 s
+    python benchmarks/probes/asgi_async.py --json out.json
 
 Needs uvicorn (``pip install uvicorn``) and Redis on REDIS_HOST/REDIS_PORT (127.0.0.1:6379);
 it uses Redis database 13 and only keys under ``tbasgi``. Not a test: it asserts nothing
@@ -46,7 +46,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.probes import timing  # noqa: E402
+
 REDIS_HOST = os.environ.get("REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("REDIS_PORT", "6379"))
 REDIS_URL = f"redis://{REDIS_HOST}:{REDIS_PORT}/13"
@@ -69,7 +73,6 @@ SANITY = ["/sanity/sync/", "/sanity/native/", "/sanity/thread/"]
 
 
 def _configure() -> None:
-    sys.path.insert(0, str(ROOT))
     import django
     from django.conf import settings
 
@@ -222,13 +225,15 @@ async def _drive(
 ) -> dict[str, Any]:
     await _sanity(port)
     paths = list(VIEWS)
-    for path in paths:  # warm-up: connections, the script, the asyncio client
+    # Untimed first requests, as timing.warm_up would make them if it could await: connections,
+    # the script, the asyncio client.
+    for path in paths:
         await _sequential(port, path, 50)
     latencies: dict[str, list[float]] = {path: [] for path in paths}
     rates: dict[str, list[float]] = {path: [] for path in paths}
     cpu: dict[str, list[float]] = {path: [] for path in paths}
     for round_ in range(rounds):
-        order = paths[round_ % len(paths) :] + paths[: round_ % len(paths)]
+        order = timing.rotate(paths, round_)
         for path in order:
             latencies[path] += await _sequential(port, path, sequential)
         for path in order:
@@ -257,11 +262,6 @@ def _clear_keys() -> None:
     client.close()
 
 
-def _percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and requests")
@@ -288,7 +288,7 @@ def main() -> None:
     env = {**os.environ, "TB_ASGI_BENCH_SERVE": "1", "PYTHONPATH": str(ROOT)}
     server = subprocess.Popen(
         [
-            sys.executable, "-m", "uvicorn", "benchmarks.asgi_async:application",
+            sys.executable, "-m", "uvicorn", "benchmarks.probes.asgi_async:application",
             "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
             "--loop", "asyncio", "--http", "h11", "--no-access-log", "--log-level", "warning",
         ],
@@ -322,9 +322,16 @@ def main() -> None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def _rounded(value: float | None, digits: int | None = None) -> float | None:
+    """``round(value, digits)``, or None for a baseline's overhead."""
+    return None if value is None else round(value, digits)
+
+
 def _report(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     p50 = {path: statistics.median(times) * 1e3 for path, times in figures["latencies"].items()}
     cpu = {path: statistics.median(values) * 1e6 for path, values in figures["cpu"].items()}
+    baseline_of = {path: baseline for path, (_, baseline) in VIEWS.items()}
+    overhead_ms, extra_cpu_us = timing.overheads(p50, baseline_of), timing.overheads(cpu, baseline_of)
     rows = []
     print(
         f"uvicorn (1 worker, asyncio loop, h11), Redis {REDIS_HOST}:{REDIS_PORT}; {args.rounds} rounds of "
@@ -332,16 +339,16 @@ def _report(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         f"({args.connections} connections) per view"
     )
     print(f"{'view':32} {'p50 ms':>8} {'p99 ms':>8} {'OVERHEAD ms':>12} {'req/s':>8} {'CPU µs/req':>11} {'+CPU µs':>8}")
-    for path, (label, baseline) in VIEWS.items():
+    for path, (label, _) in VIEWS.items():
         times = figures["latencies"][path]
         row = {
             "view": label,
             "p50_ms": round(p50[path], 3),
-            "p99_ms": round(_percentile(times, 0.99) * 1e3, 3),
-            "overhead_ms": None if baseline is None else round(p50[path] - p50[baseline], 3),
+            "p99_ms": round(timing.percentile(times, 0.99) * 1e3, 3),
+            "overhead_ms": _rounded(overhead_ms[path], 3),
             "requests_per_s": round(statistics.median(figures["rates"][path])),
             "server_cpu_us_per_request": round(cpu[path]),
-            "extra_cpu_us": None if baseline is None else round(cpu[path] - cpu[baseline]),
+            "extra_cpu_us": _rounded(extra_cpu_us[path]),
         }
         rows.append(row)
         overhead = "" if row["overhead_ms"] is None else f"{row['overhead_ms']:.3f}"

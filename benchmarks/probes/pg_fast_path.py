@@ -1,6 +1,6 @@
 """The PostgreSQL fast path against its floors, interleaved in one run.
 
-    TOKENBUCKET_TEST_DB=postgres python benchmarks/pg_fast_path.py [--rounds 7] [--calls 300]
+    TOKENBUCKET_TEST_DB=postgres python benchmarks/probes/pg_fast_path.py [--rounds 7] [--calls 300]
         [--database tb_pg_fast_path] [--option PREPARE=False] [--port 6432] [--turns call]
 
 Each round times ``--calls`` calls of each of these, one after the other (``--turns
@@ -25,13 +25,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 os.environ.setdefault("TOKENBUCKET_TEST_DB", "postgres")
+
+from benchmarks.probes import timing  # noqa: E402
 
 
 def main() -> None:
@@ -116,30 +117,22 @@ def run(rounds: int, calls: int, limiter: object, connection: object, *, by_call
         limiter.limit("bench", "hot-function", config=config)  # type: ignore[attr-defined]
 
     kinds = {"SELECT 1": select_1, "UPDATE": update, "fresh": fresh, "hot": hot, "hot (fn)": hot_function}
-    for call in kinds.values():
-        for i in range(50):
-            call(10**9 + i)
-    ratios: dict[str, list[float]] = {"hot / SELECT 1": [], "hot (fn) / SELECT 1": [], "fresh / UPDATE": []}
+    # Arguments of their own: the fresh keys of the warm-up are none of the rounds'.
+    timing.warm_up(kinds.values(), [(10**9 + i,) for i in range(50)])
+    # Each ratio's figure and its floor, both from the same round.
+    compared = {
+        "hot / SELECT 1": ("hot", "SELECT 1"),
+        "hot (fn) / SELECT 1": ("hot (fn)", "SELECT 1"),
+        "fresh / UPDATE": ("fresh", "UPDATE"),
+    }
+    ratios: dict[str, list[float]] = {name: [] for name in compared}
     print("round  " + "  ".join(f"{name:>9}" for name in kinds) + "   (p50, µs)")
     for number in range(rounds):
-        times: dict[str, list[float]] = {name: [] for name in kinds}
-        turns = (
-            [(i, kinds) for i in range(number * calls, (number + 1) * calls)]
-            if by_call
-            else [
-                (i, {name: call}) for name, call in kinds.items() for i in range(number * calls, (number + 1) * calls)
-            ]
-        )
-        for i, turn in turns:
-            for name, call in turn.items():
-                began = time.perf_counter()
-                call(i)
-                times[name].append(time.perf_counter() - began)
+        times = timing.take_turns(kinds, range(number * calls, (number + 1) * calls), by_call=by_call)
         figures = {name: statistics.median(values) * 1e6 for name, values in times.items()}
         print(f"{number:5}  " + "  ".join(f"{figures[name]:9.0f}" for name in kinds))
-        ratios["hot / SELECT 1"].append(figures["hot"] / figures["SELECT 1"])
-        ratios["hot (fn) / SELECT 1"].append(figures["hot (fn)"] / figures["SELECT 1"])
-        ratios["fresh / UPDATE"].append(figures["fresh"] / figures["UPDATE"])
+        for name, (figure, floor) in compared.items():
+            ratios[name].append(timing.ratio(figures[figure], figures[floor]))
     for name, values in ratios.items():
         print(f"{name}: median {statistics.median(values):.2f}x (rounds: {', '.join(f'{v:.2f}' for v in values)})")
 

@@ -3,7 +3,7 @@
 Times the admin pages on an empty table, with 100 rows (one page to render), then
 with ``--rows`` rows, in one run on a throwaway database:
 
-    TOKENBUCKET_TEST_DB=postgres .venv/bin/python benchmarks/admin_changelist.py --rows 100000
+    TOKENBUCKET_TEST_DB=postgres .venv/bin/python benchmarks/probes/admin_changelist.py --rows 100000
 
 Prints one JSON object: per page, median / p95 / max milliseconds of ``--repeat``
 requests through Django's test client (a logged-in superuser): empty, 100 rows, loaded.
@@ -15,12 +15,14 @@ import argparse
 import json
 import time
 
-from _setup import DB, bench_database, load_rows, summarise, table_size, timed  # configures Django: first
+from _setup import DB, bench_database, load_rows, table_size  # configures Django: first
 
 # isort: split
 
 from django.contrib.auth.models import User
 from django.test import Client
+
+from benchmarks.probes.timing import summarise, timed
 
 CHANGELIST = "/admin/django_tokenbucket/ratelimit/"
 PAGES = {

@@ -4,52 +4,42 @@ Loads ``--rows`` rows (``--idle`` of them idle) into a throwaway database, measu
 decision latency of live traffic (a separate process calling ``limiter.limit`` in a
 closed loop) without and then during a cleanup run, and reports the cleanup figures:
 
-    TOKENBUCKET_TEST_DB=postgres .venv/bin/python benchmarks/cleanup.py --rows 100000
+    TOKENBUCKET_TEST_DB=postgres .venv/bin/python benchmarks/probes/cleanup.py --rows 100000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
-from _setup import DB, bench_database, load_rows, summarise, table_size  # configures Django: first
+from _setup import DB, bench_database, load_rows, table_size  # configures Django: first
 
 # isort: split
 
 from django.db import connections
 
+from benchmarks.probes import timing
 from django_tokenbucket import limiter
 from django_tokenbucket.cleanup import cleanup
 from django_tokenbucket.models import RateLimit
 
+W = TypeVar("W")
 
-def traffic(stop, out) -> None:  # type: ignore[no-untyped-def]
-    """Decide on 1,000 live keys in a closed loop until told to stop; report latencies (ms)."""
-    latencies = []
-    i = 0
-    while not stop.is_set():
-        started = time.perf_counter()
-        limiter.limit("login", ("live", i % 1000))
-        latencies.append((time.perf_counter() - started) * 1000)
-        i += 1
+
+def traffic(stop: timing.Flag) -> list[float]:
+    """Decide on 1,000 live keys in a closed loop until told to stop; the latencies (s)."""
+    latencies = timing.latencies_until(stop, lambda i: limiter.limit("login", ("live", i % 1000)))
     connections.close_all()
-    out.put(latencies)
+    return latencies
 
 
-def with_traffic(work):  # type: ignore[no-untyped-def]
-    connections.close_all()
-    context = multiprocessing.get_context("fork")
-    stop, out = context.Event(), context.Queue()
-    process = context.Process(target=traffic, args=(stop, out))
-    process.start()
-    time.sleep(0.5)  # let it connect and warm up
-    result = work()
-    stop.set()
-    latencies = out.get(timeout=60)
-    process.join(timeout=10)
-    return result, latencies
+def with_traffic(work: Callable[[], W]) -> tuple[W, list[float]]:
+    """``work()``, with live traffic deciding in a process of its own meanwhile."""
+    connections.close_all()  # the traffic's process must not share this one's connection
+    return timing.alongside(traffic, work)
 
 
 def main() -> None:
@@ -73,8 +63,8 @@ def main() -> None:
                     "table_mb_before": before_mb,
                     "table_mb_after": table_size(),
                     "cleanup": report.as_dict() | {"unknown": report.unknown},
-                    "decisions_baseline": summarise(baseline) | {"count": len(baseline)},
-                    "decisions_during_cleanup": summarise(during) | {"count": len(during)},
+                    "decisions_baseline": timing.summarise(baseline) | {"count": len(baseline)},
+                    "decisions_during_cleanup": timing.summarise(during) | {"count": len(during)},
                 },
                 indent=1,
             )

@@ -1,4 +1,4 @@
-"""Views and URLs of ``benchmarks/http_stack.py`` (its ROOT_URLCONF).
+"""Views and URLs of ``benchmarks/suite/http_stack.py`` (its ROOT_URLCONF).
 
 Pairs that differ only in their rate limiting, each next to a view without any:
 

@@ -1,6 +1,7 @@
-"""Settings for benchmarks/admin_screenshot.py: the example project, logged in automatically.
+"""Settings for scripts/admin_screenshot.py: the example project, logged in automatically.
 
-Never use these anywhere else: every request is logged in as the superuser.
+Never use these anywhere else: every request is logged in as the superuser. Imported as
+the top-level module ``screenshot_settings`` (admin_screenshot.py puts scripts/ on the path).
 """
 
 import os
@@ -18,7 +19,7 @@ DATABASES = {
         "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 5},
     }
 }
-MIDDLEWARE = [*MIDDLEWARE, "benchmarks.screenshot_settings.log_in_as_admin"]
+MIDDLEWARE = [*MIDDLEWARE, "screenshot_settings.log_in_as_admin"]
 TIME_ZONE = "Europe/Paris"
 # The example's own limits (its views use them) and a few more kinds for the picture.
 TOKENBUCKET = {

@@ -5,10 +5,10 @@ PING is the floor for any Redis call (one round trip, no work); the difference i
 the decision costs: building the arguments, the Lua script, and parsing the reply.
 Rounds of each kind alternate, so that both see the same machine load.
 
-    .venv/bin/python benchmarks/redis_vs_ping.py                      # 127.0.0.1:6379, db 15
-    .venv/bin/python benchmarks/redis_vs_ping.py --url redis://host:6379/3 --seconds 5
-    .venv/bin/python benchmarks/redis_vs_ping.py --cluster redis://127.0.0.1:7000
-    .venv/bin/python benchmarks/redis_vs_ping.py --processes 4       # aggregate throughput
+    .venv/bin/python benchmarks/probes/redis_vs_ping.py                      # 127.0.0.1:6379, db 15
+    .venv/bin/python benchmarks/probes/redis_vs_ping.py --url redis://host:6379/3 --seconds 5
+    .venv/bin/python benchmarks/probes/redis_vs_ping.py --cluster redis://127.0.0.1:7000
+    .venv/bin/python benchmarks/probes/redis_vs_ping.py --processes 4       # aggregate throughput
 
 Not a test: it asserts nothing and prints a table (and, with --json, one JSON line).
 """
@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.probes import timing
 
 
 def configure(url: str, cluster: bool) -> None:
@@ -36,6 +36,8 @@ def configure(url: str, cluster: bool) -> None:
     if cluster:
         options["CONNECTION_FACTORY"] = "django_tokenbucket.backends.redis.ClusterConnectionFactory"
     settings.configure(
+        # Keys are HMACs under SECRET_KEY: without one no decision can be made.
+        SECRET_KEY="benchmark-only",
         INSTALLED_APPS=["django_tokenbucket"],
         CACHES={
             "default": {
@@ -58,17 +60,6 @@ def configure(url: str, cluster: bool) -> None:
     django.setup()
 
 
-def rate_of(call: Callable[[], object], seconds: float) -> float:
-    calls = 0
-    deadline = time.perf_counter() + seconds
-    started = time.perf_counter()
-    while time.perf_counter() < deadline:
-        for _ in range(100):
-            call()
-        calls += 100
-    return calls / (time.perf_counter() - started)
-
-
 def measure(seconds: float, rounds: int, worker: int = 0) -> dict[str, float]:
     from django_tokenbucket import limiter
     from django_tokenbucket.backends import get_backend
@@ -87,19 +78,19 @@ def measure(seconds: float, rounds: int, worker: int = 0) -> dict[str, float]:
         "limiter.limit() allowed": lambda: limiter.limit("allowed", key),
         "limiter.limit() denied": lambda: limiter.limit("denied", key),
     }
-    for call in kinds.values():  # warm up: connections, script cache
-        call()
-    samples: dict[str, list[float]] = {name: [] for name in kinds}
-    for _ in range(rounds):
-        for name, call in kinds.items():
-            samples[name].append(rate_of(call, seconds / rounds / len(kinds)))
+    timing.warm_up(kinds.values(), [()])  # connections, script cache
+    turn = seconds / rounds / len(kinds)
+    samples = timing.in_rounds(list(kinds), rounds, lambda name, _: timing.rate(kinds[name], turn))
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def _worker(args: tuple[str, bool, float, int, int], queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    url, cluster, seconds, rounds, index = args
+def _worker(url: str, cluster: bool, seconds: float, rounds: int, index: int) -> dict[str, float]:
+    """One client process of ``--processes``: its own Django, then its figures."""
     configure(url, cluster)
-    queue.put(measure(seconds, rounds, index))
+    figures = measure(seconds, rounds, index)
+    # Its keys are under a prefix of its own (its process id): the main process's cleanup misses them.
+    cleanup()
+    return figures
 
 
 def cleanup() -> None:
@@ -128,17 +119,8 @@ def main() -> None:
         configure(url, cluster)
         results = [measure(args.seconds, args.rounds)]
     else:
-        context = multiprocessing.get_context("spawn")
-        queue = context.Queue()
-        workers = [
-            context.Process(target=_worker, args=((url, cluster, args.seconds, args.rounds, i), queue))
-            for i in range(args.processes)
-        ]
-        for worker in workers:
-            worker.start()
-        results = [queue.get(timeout=args.seconds * 10 + 60) for _ in workers]
-        for worker in workers:
-            worker.join()
+        clients = [(url, cluster, args.seconds, args.rounds, i) for i in range(args.processes)]
+        results = timing.in_processes(_worker, clients, timeout=args.seconds * 10 + 60)
         configure(url, cluster)
     cleanup()
 
@@ -148,7 +130,7 @@ def main() -> None:
     print(f"{'':34} {'calls/s':>10} {'µs/call':>9} {'vs PING':>8}")
     for name, per_second in totals.items():
         micros = 1e6 * args.processes / per_second
-        print(f"{name:34} {per_second:10,.0f} {micros:9.1f} {per_second / ping:8.2f}")
+        print(f"{name:34} {per_second:10,.0f} {micros:9.1f} {timing.ratio(per_second, ping):8.2f}")
     if args.json:
         print(json.dumps({"url": url, "cluster": cluster, "processes": args.processes, "per_second": totals}))
 

@@ -16,7 +16,7 @@ same limit (100 per second, burst 100) on the same PostgreSQL and Redis:
 ``TOKENBUCKET`` is process-wide, so each adapter of ours runs in a worker process of its
 own configuration; the floors, references and peers share one more. The main process
 coordinates: in every round it asks one worker at a time, in rotating order, to run one
-adapter's batch, so that all of them see the same machine load (benchmarks/harness.py).
+adapter's batch, so that all of them see the same machine load (benchmarks/suite/harness.py).
 
 Phases:
 
@@ -35,8 +35,8 @@ Phases:
 Then the targets of issue 19, as ratios from this run, each met or missed.
 
     make bench                                           # creates .venv-bench, runs this
-    .venv-bench/bin/python benchmarks/peers.py --json benchmarks/results/peers.json
-    .venv-bench/bin/python benchmarks/peers.py --quick   # about a minute
+    .venv-bench/bin/python benchmarks/suite/peers.py --json benchmarks/results/peers.json
+    .venv-bench/bin/python benchmarks/suite/peers.py --quick   # about a minute
 
 Not a test: it asserts nothing about speed. PostgreSQL: database ``tokenbucket_bench``,
 created and dropped here. Redis: database 14, keys under ``tbbench`` only.
@@ -55,14 +55,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-os.environ["DJANGO_SETTINGS_MODULE"] = "benchmarks.peers_settings"
+os.environ["DJANGO_SETTINGS_MODULE"] = "benchmarks.suite.peers_settings"
 
-from benchmarks import harness  # noqa: E402
+from benchmarks.suite import harness  # noqa: E402
 
-SETTINGS = "benchmarks.peers_settings"
-FACTORY = "benchmarks.peers:make_adapters"
+SETTINGS = "benchmarks.suite.peers_settings"
+FACTORY = "benchmarks.suite.peers:make_adapters"
 #: Names the adapters a run selected, for its worker processes (comma-separated).
 SELECTED_ENV = "TOKENBUCKET_BENCH_ADAPTERS"
 
@@ -139,7 +139,7 @@ class UpdateOne(Adapter):
 
 
 class PlainFunction(Adapter):
-    """A plain PL/pgSQL token bucket (benchmarks/stores.py), one call through Django's cursor."""
+    """A plain PL/pgSQL token bucket (benchmarks/suite/stores.py), one call through Django's cursor."""
 
     name, family, store, algorithm = "plain PL/pgSQL function", "reference", "postgresql", "token bucket"
 
@@ -167,7 +167,7 @@ class TextbookORM(Adapter):
         super().__init__(spec)
         from django.db import transaction
 
-        from benchmarks.textbook.models import Bucket
+        from benchmarks.suite.textbook.models import Bucket
 
         self.atomic = transaction.atomic
         self.buckets = Bucket.objects
@@ -259,7 +259,7 @@ class Ping(Adapter):
 
     def __init__(self, spec: str) -> None:
         super().__init__(spec)
-        from benchmarks.stores import redis_client
+        from benchmarks.suite.stores import redis_client
 
         self.client = redis_client()
 
@@ -277,7 +277,7 @@ class GetOne(Adapter):
         super().__init__(spec)
         from django.conf import settings
 
-        from benchmarks.stores import redis_client
+        from benchmarks.suite.stores import redis_client
 
         self.client = redis_client()
         self.key = f"{settings.REDIS_PREFIX}:get:{spec}"
@@ -321,7 +321,7 @@ class RawEvalsha(Adapter):
         super().__init__(spec)
         from django.conf import settings
 
-        from benchmarks.stores import redis_client
+        from benchmarks.suite.stores import redis_client
 
         self.client = redis_client()
         self.sha = self.client.script_load(TOKEN_BUCKET_LUA)
@@ -735,7 +735,7 @@ def main() -> None:
     configs = list(dict.fromkeys(cls.config for cls in chosen))
 
     setup_django()
-    from benchmarks.stores import bench_stores, machine
+    from benchmarks.suite.stores import bench_stores, machine
 
     started = time.perf_counter()
     # Other work on the machine shows in every figure: the load is recorded with them.

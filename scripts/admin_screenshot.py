@@ -4,7 +4,7 @@ Runs the example project on a throwaway SQLite database seeded with keys in ever
 logs a superuser in automatically (screenshot settings only) and captures the page with
 headless Chromium (``apt-get install chromium``):
 
-    .venv/bin/python benchmarks/admin_screenshot.py [--out docs/admin-changelist.png]
+    .venv/bin/python scripts/admin_screenshot.py [--out docs/admin-changelist.png]
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SETTINGS = "benchmarks.screenshot_settings"
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+#: A top-level module, found through PYTHONPATH: scripts/ is a folder of commands, not a
+#: package, and ``scripts.`` could name an installed distribution's package instead.
+SETTINGS = "screenshot_settings"
 
 
 def free_port() -> int:
@@ -46,9 +49,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "DJANGO_SETTINGS_MODULE": SETTINGS, "SCREENSHOT_DB": str(Path(tmp) / "db.sqlite3")}
-        env["PYTHONPATH"] = str(ROOT)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)])
         manage(env, "migrate", "--noinput", "-v", "0")
-        manage(env, "shell", "-c", "from benchmarks.screenshot_settings import seed; seed()")
+        manage(env, "shell", "-c", f"from {SETTINGS} import seed; seed()")
         port = free_port()
         server = subprocess.Popen(
             [sys.executable, "manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"],

@@ -1,1 +1,0 @@
-"""A textbook Django ORM token bucket, the reference the benchmark compares against (benchmarks/peers.py)."""
