@@ -32,9 +32,9 @@ from django.test.utils import setup_databases, setup_test_environment, teardown_
 from django_tokenbucket.algorithms import MICRO  # noqa: E402
 from django_tokenbucket.keys import encode_key  # noqa: E402
 from django_tokenbucket.limits import FIXED_WINDOW  # noqa: E402
+from django_tokenbucket.live import cleanup_span  # noqa: E402
 from django_tokenbucket.models import RateLimit  # noqa: E402
 from django_tokenbucket.registry import known_limits  # noqa: E402
-from django_tokenbucket.state import cleanup_span  # noqa: E402
 
 __all__ = ["DB", "bench_database", "load_rows", "table_size"]
 

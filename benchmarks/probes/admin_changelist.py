@@ -52,10 +52,11 @@ def measure(client: Client, repeat: int) -> dict[str, dict[str, float]]:
 
 def explain(rows: int) -> None:
     """Print the plans of the default page and of the "limited now" filter's count."""
+    from django_tokenbucket.backends.database import database_now as store_now
+    from django_tokenbucket.backends.database.filters import state_q
+    from django_tokenbucket.live import LIMITED
     from django_tokenbucket.models import RateLimit
-    from django_tokenbucket.querysets import state_q
     from django_tokenbucket.registry import known_limits
-    from django_tokenbucket.state import LIMITED, store_now
 
     options = {"analyze": True} if DB != "sqlite" else {}
     page = RateLimit.objects.order_by("name", "-ts", "-id")[:100]
