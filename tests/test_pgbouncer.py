@@ -32,7 +32,7 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from django_tokenbucket import BackendUnavailable, limiter
-from django_tokenbucket.backends import postgresql
+from django_tokenbucket.backends.database import postgresql
 from django_tokenbucket.backends.database.postgresql import READ_STATEMENT_MARK, SINGLE_STATEMENT_MARK
 from django_tokenbucket.testing import frozen_clock
 
