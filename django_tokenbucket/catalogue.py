@@ -189,6 +189,4 @@ W040 = Check(
 )
 
 #: Every check, by code.
-CATALOGUE: dict[str, Check] = {
-    value.code: value for value in list(globals().values()) if isinstance(value, Check)
-}
+CATALOGUE: dict[str, Check] = {value.code: value for value in list(globals().values()) if isinstance(value, Check)}

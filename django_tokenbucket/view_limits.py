@@ -34,6 +34,7 @@ __all__ = [
     "record_decisions",
 ]
 
+
 @dataclass(frozen=True, eq=False)
 class ViewLimit:
     """One ``@ratelimit`` on a view: what it takes from, for which requests."""

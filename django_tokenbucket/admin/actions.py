@@ -33,8 +33,6 @@ from .display import _Context, _row
 __all__ = ["BucketActions", "SetTokensForm"]
 
 
-
-
 class SetTokensForm(forms.Form):
     tokens = forms.DecimalField(
         label=_("Tokens"),
@@ -166,9 +164,7 @@ class BucketActions(BucketAdminViews):
             with transaction.atomic(using=alias):
                 # Under the row lock, at the store's time: what live traffic wrote a
                 # moment ago is the state being adjusted, not a stale copy of it.
-                locked = (
-                    RateLimit.objects.using(alias).select_for_update().filter(pk=obj.pk).values_list("value", "ts")
-                )
+                locked = RateLimit.objects.using(alias).select_for_update().filter(pk=obj.pk).values_list("value", "ts")
                 current = next(iter(locked), None)
                 if current is None:
                     skipped += 1

@@ -158,7 +158,8 @@ class LimitsOverview(BucketActions):
                 "rate": describe_rate(known.config) if known else None,
                 "capacity": format_tokens(known.config.capacity) if known else None,
                 "max_reserved": (
-                    None if known is None or known.config.max_reserved is None
+                    None
+                    if known is None or known.config.max_reserved is None
                     else format_tokens(known.config.max_reserved)
                 ),
                 "stored": stored,

@@ -26,8 +26,6 @@ from .limits import LimitsOverview
 __all__ = ["RateLimitAdmin"]
 
 
-
-
 @admin.register(RateLimit)
 class RateLimitAdmin(BucketColumns, LimitsOverview):
     """Rate limits: live state now, fill level, reset. Read-only except for the actions."""

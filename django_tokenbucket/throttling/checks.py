@@ -20,6 +20,7 @@ from . import ScopedRateThrottle, SimpleRateThrottle, declared_throttle_rates
 
 __all__ = ["check_throttle_rates"]
 
+
 @checks.register(checks.Tags.urls)
 def check_throttle_rates(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Check every DRF throttle rate we can see, so that none fails at request time.

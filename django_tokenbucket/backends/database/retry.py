@@ -83,12 +83,7 @@ def lost_answer(exc: BaseException) -> bool:
     neither does 40003, "statement completion unknown" (CockroachDB's ambiguous result).
     """
     code = error_code(exc)
-    return (
-        code is None
-        or code.startswith("08")
-        or code == "40003"
-        or (code.isdigit() and 2000 <= int(code) < 3000)
-    )
+    return code is None or code.startswith("08") or code == "40003" or (code.isdigit() and 2000 <= int(code) < 3000)
 
 
 def error_code(exc: BaseException) -> str | None:

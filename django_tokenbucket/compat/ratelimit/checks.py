@@ -13,6 +13,7 @@ from ...backends import is_django_redis
 
 __all__ = ["check_ratelimit_compat"]
 
+
 @checks.register(checks.Tags.caches)
 def check_ratelimit_compat(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """Check the ``RATELIMIT_*`` settings read by ``django_tokenbucket.compat.ratelimit``."""
