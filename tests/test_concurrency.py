@@ -29,8 +29,8 @@ from django.test import override_settings
 from django_tokenbucket import LimitRequest, clock, limiter
 from django_tokenbucket.algorithms import MICRO
 from django_tokenbucket.backends import get_backend
-from django_tokenbucket.backends.database import postgresql as postgresql_module
 from django_tokenbucket.backends.database import backend as database_module
+from django_tokenbucket.backends.database import postgresql as postgresql_module
 from django_tokenbucket.cleanup import cleanup
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
