@@ -8,6 +8,33 @@ last micro-token.
 Units: amounts are micro-tokens (millionths of a token) and times are microseconds
 since the Unix epoch, both as ``int``. Integers never drift: a refill is rounded down,
 so the arithmetic can lose a micro-token at worst and never mints one.
+
+The same arithmetic is written again where a store computes: ``PORTS`` names each copy,
+the kinds and operations it implements, and the tests that replay it against this
+module. A new kind needs every one of these:
+
+* an ``Algorithm`` in ``ALGORITHMS``: ``decide``, ``refund``, ``fresh``, ``refill_time``,
+  ``phased``, and a ``code`` no other kind has;
+* in ``backends/redis/lua/decide.lua``, a branch on its code in the common path (which
+  leaves a code it does not know to the general path) and in the general path (which
+  refuses one). The
+  Redis backend refunds with that branch, as a decision of ``-amount`` under uncapped
+  reservations, so it must give ``refund``'s state too (its value may exceed the
+  capacity, which every read caps);
+* in ``backends/database/sql/postgresql_v3.sql``, a branch in ``django_tokenbucket_single_v3`` and in
+  ``django_tokenbucket_step_v3``: each names one kind and decides any other as the kind
+  of its ELSE. Changed SQL is a new version of the file, with its own migration and
+  ``backends.database.postgresql.FUNCTION_VERSION`` (see the file's head);
+* in ``backends.database.filters.at_least_q``, an expression of its value now if it is
+  neither a continuous refill (not ``phased``) nor whole windows of ``rate`` each
+  (``phased``): the filter picks between those two by ``phased`` alone;
+* its name in the ``kinds`` of every port but the admission statement, which only token
+  buckets reach (its ``gate``).
+
+tests/test_ports.py checks that the script and the SQL have a branch for every kind
+and that ``PORTS`` is true to the files, and replays the ports that
+tests/test_redis.py and tests/test_pg_fast_path.py do not; the traces of tests/parity.py
+draw every kind of ``ALGORITHMS``.
 """
 
 from __future__ import annotations
@@ -21,9 +48,11 @@ __all__ = [
     "FIXED_WINDOW",
     "MAX_AMOUNT",
     "MICRO",
+    "PORTS",
     "TOKEN_BUCKET",
     "Algorithm",
     "Decision",
+    "Port",
     "State",
     "algorithm_named",
     "fixed_window",
@@ -50,7 +79,7 @@ MAX_AMOUNT = 2**53
 #: is taken to have jumped, and the state follows it rather than locking everyone out
 #: until it catches up. Keep app servers' clocks well within this (NTP keeps them within
 #: milliseconds), or use ``CLOCK = "store"``. The Redis backend passes it to
-#: ``lua/decide.lua`` with every call, and the PostgreSQL functions take it as an argument.
+#: ``backends/redis/lua/decide.lua`` with every call, and the PostgreSQL functions take it as an argument.
 CLOCK_SKEW_TOLERANCE = 5 * MICRO
 
 
@@ -333,10 +362,10 @@ def _fixed_window_refill_time(amount: int, rate: int, period: int) -> int:
 class Algorithm:
     """One kind of limit: its arithmetic, and what the rest of the package needs to know of it.
 
-    Everything that depends on a limit's kind asks its ``Algorithm`` (``LimitConfig.algorithm``)
-    instead of comparing kind names, so a new kind is a new entry in ``ALGORITHMS`` plus its
-    ports in the stores' scripts (``lua/decide.lua``, the PostgreSQL functions), which
-    receive ``code``.
+    Everything in Python that depends on a limit's kind asks its ``Algorithm``
+    (``LimitConfig.algorithm``) instead of comparing kind names. The stores' copies of the
+    arithmetic (``PORTS``) cannot: a new kind is an entry in ``ALGORITHMS`` plus what the
+    module docstring lists for them.
     """
 
     #: The name users write in ``"kind"`` (and the admin shows).
@@ -390,6 +419,89 @@ ALGORITHMS: dict[str, Algorithm] = {
 }
 
 _BY_SPELLING = {spelling: a for a in ALGORITHMS.values() for spelling in (a.name, *a.aliases)}
+
+
+@dataclass(frozen=True)
+class Port:
+    """A copy of this module's arithmetic in a store's own language, held to it by replays."""
+
+    #: The file, relative to the package.
+    path: str
+    #: Where in the file: a function or class, or the heading of a section of the script.
+    part: str
+    #: The kinds (``Algorithm.name``) it implements.
+    kinds: tuple[str, ...]
+    #: What it computes: ``"decide"`` (a decision and the state to store), ``"refund"``
+    #: (the state once tokens come back), ``"classify"`` (rows limited, partial or full now).
+    operations: tuple[str, ...]
+    #: The tests that replay it against this module, as ``tests/<module>.py::<test>``.
+    replayed_by: tuple[str, ...]
+    #: The condition in ``path`` that sends only ``kinds`` to it; "" when every kind goes.
+    gate: str = ""
+
+
+_REPLAYED_BY_LUA = "tests/test_redis.py::test_lua_and_python_agree_on_every_decision"
+_REPLAYED_BY_SQL = "tests/test_pg_fast_path.py::test_sql_and_python_agree_on_every_decision"
+_REFUNDS_REPLAYED_BY = "tests/test_ports.py::test_a_redis_refund_leaves_the_state_of_the_python_refund"
+
+#: Every copy of the arithmetic outside this module. The script's general path and
+#: ``django_tokenbucket_decide_v3`` also port ``backends.base.decide_all``.
+PORTS: tuple[Port, ...] = (
+    Port(
+        "backends/redis/lua/decide.lua",
+        "The common path",
+        (TOKEN_BUCKET, FIXED_WINDOW),
+        ("decide", "refund"),
+        (
+            _REPLAYED_BY_LUA,
+            "tests/test_redis.py::test_the_common_path_stops_exactly_where_doubles_stop_being_exact",
+            _REFUNDS_REPLAYED_BY,
+        ),
+    ),
+    Port(
+        "backends/redis/lua/decide.lua",
+        "The general path",
+        (TOKEN_BUCKET, FIXED_WINDOW),
+        ("decide", "refund"),
+        (
+            _REPLAYED_BY_LUA,
+            "tests/test_redis.py::test_the_general_path_decides_one_limit_as_the_common_path_does",
+            _REFUNDS_REPLAYED_BY,
+        ),
+    ),
+    Port(
+        "backends/database/sql/postgresql_v3.sql",
+        "django_tokenbucket_single_v3",
+        (TOKEN_BUCKET, FIXED_WINDOW),
+        ("decide",),
+        (_REPLAYED_BY_SQL,),
+    ),
+    Port(
+        "backends/database/sql/postgresql_v3.sql",
+        "django_tokenbucket_step_v3",
+        (TOKEN_BUCKET, FIXED_WINDOW),
+        ("decide",),
+        (_REPLAYED_BY_SQL,),
+    ),
+    Port(
+        "backends/database/postgresql.py",
+        "_Admit",
+        (TOKEN_BUCKET,),
+        ("decide",),
+        (_REPLAYED_BY_SQL,),
+        gate='algorithm.code == "t"',
+    ),
+    Port(
+        "backends/database/filters.py",
+        "at_least_q",
+        (TOKEN_BUCKET, FIXED_WINDOW),
+        ("classify",),
+        (
+            "tests/test_ports.py::test_the_orm_filter_classifies_replayed_rows_as_live_state_does",
+            "tests/test_admin.py::test_state_filter_agrees_with_the_value_derived_now",
+        ),
+    ),
+)
 
 
 def algorithm_named(kind: str) -> Algorithm | None:

@@ -1,8 +1,9 @@
 """Parity of a store's own arithmetic (the Redis script, the PostgreSQL function) with
 the Python algorithms: generated and hand-picked traces, replayed through both.
 
-A store adapter decides through the real backend at a pinned time and reads back the
-state it stored; ``replay`` requires identical decisions, waits and stored states.
+A store adapter decides (and refunds) through the real backend at a pinned time and
+reads back the state it stored; ``replay`` requires identical decisions, waits and
+stored states.
 """
 
 from __future__ import annotations
@@ -10,22 +11,34 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from hypothesis import HealthCheck, assume
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from django_tokenbucket import clock as clock_module
-from django_tokenbucket.algorithms import CLOCK_SKEW_TOLERANCE, MAX_AMOUNT, MICRO, State
+from django_tokenbucket.algorithms import ALGORITHMS, CLOCK_SKEW_TOLERANCE, MAX_AMOUNT, MICRO, State
 from django_tokenbucket.backends.base import Outcome, Request, decide_all, row_id
-from django_tokenbucket.keys import encode_key
+from django_tokenbucket.keys import EncodedKey, encode_key
 from django_tokenbucket.limits import FIXED_WINDOW, TOKEN_BUCKET, LimitConfig
 
 T0_US = 1_700_000_000 * MICRO
 
 Decide = Callable[[Sequence[Request], bool], Outcome]
 Stored = Callable[[Request], "State | None"]
+
+
+@dataclass(frozen=True)
+class Refund:
+    """A step of a trace that gives ``amount`` micro-tokens back to ``key`` (``BaseBackend.refund``)."""
+
+    config: LimitConfig
+    key: EncodedKey
+    amount: int
+
+
+Refunder = Callable[[Refund], Outcome]
 
 
 @contextmanager
@@ -69,7 +82,8 @@ start_times = st.one_of(st.just(T0_US), st.integers(0, 2**53), st.integers(-(2**
 
 @st.composite
 def limit_configs(draw, name: str) -> LimitConfig:
-    kind = draw(st.sampled_from([TOKEN_BUCKET, FIXED_WINDOW]))
+    # Every kind: a new one is replayed through every port as soon as it exists.
+    kind = draw(st.sampled_from(list(ALGORITHMS)))
     return LimitConfig(
         name=name,
         kind=kind,
@@ -77,14 +91,22 @@ def limit_configs(draw, name: str) -> LimitConfig:
         period=draw(periods),
         capacity=draw(amounts),
         max_reserved=draw(st.one_of(st.none(), st.just(0), amounts)),
-        start=draw(st.one_of(st.none(), st.integers(-(2**53), 2**53))) if kind == FIXED_WINDOW else None,
+        start=draw(st.one_of(st.none(), st.integers(-(2**53), 2**53))) if ALGORITHMS[kind].phased else None,
     )
 
 
 @st.composite
-def traces(draw):
-    # Two limits may share a name (and so their rows), as inline configs of one name can.
-    names = draw(st.lists(st.sampled_from(["p", "q", "a limit with spaces {and braces}"]), min_size=1, max_size=3))
+def traces(draw, distinct_names: bool = False):
+    # Two limits may share a name (and so their rows), as inline configs of one name can,
+    # unless ``distinct_names``: then each row is only ever read under the config that wrote it.
+    names = draw(
+        st.lists(
+            st.sampled_from(["p", "q", "a limit with spaces {and braces}"]),
+            min_size=1,
+            max_size=3,
+            unique=distinct_names,
+        )
+    )
     configs = [draw(limit_configs(name)) for name in names]
     keys = [encode_key(k) for k in ("alice", None, ("tenant", 7))]
     counts = st.one_of(st.integers(1, 3 * MICRO), st.integers(1, MAX_AMOUNT), st.sampled_from(EXTREME_AMOUNTS))
@@ -99,16 +121,50 @@ def traces(draw):
     return draw(start_times), trace
 
 
-def replay(decide: Decide, stored: Stored, start: int, trace, note=lambda label: None) -> None:
+refund_amounts = st.one_of(st.integers(1, 3 * MICRO), st.integers(1, MAX_AMOUNT), st.sampled_from(EXTREME_AMOUNTS))
+
+
+@st.composite
+def refund_traces(draw):
+    """``traces`` with refunds before some of their steps, on the rows the trace decides on.
+
+    Names are distinct (``traces``): a store may keep a refunded value above the capacity,
+    which reads cap, so its adapter reads the state capped at the capacity of the row's
+    one config.
+    """
+    start, trace = draw(traces(distinct_names=True))
+    requests = [request for _, group, _ in trace for request in group]
+    if not requests:
+        return start, trace
+    refund = st.builds(
+        lambda request, amount: Refund(request.config, request.key, amount), st.sampled_from(requests), refund_amounts
+    )
+    with_refunds = []
+    for step in trace:
+        # Before any decision too: a refund to a key nobody has used.
+        if draw(st.booleans()):
+            with_refunds.append((draw(steps), draw(refund), True))
+        with_refunds.append(step)
+    return start, with_refunds
+
+
+def replay(
+    decide: Decide, stored: Stored, start: int, trace, note=lambda label: None, refund: Refunder | None = None
+) -> None:
     """Run ``trace`` through decide_all (Python) and the store; require identical results.
 
     The store starts empty. ``stored(request)`` reads back the state the store holds for
-    the request's row (None: no row or key).
+    the request's row (None: no row or key). A ``Refund`` step (``refund_traces``) goes
+    through ``refund`` and ``LimitConfig.refund``.
     """
     model: dict = {}
     now = start
     for step, (dt, requests, apply) in enumerate(trace):
         now += dt
+        if isinstance(requests, Refund):
+            assert refund is not None, "a trace with refunds needs a store's refund"
+            model[row_id(_as_request(requests))] = _replay_refund(refund, stored, model, now, step, requests)
+            continue
         rows = {row_id(r): model.get(row_id(r)) for r in requests}
         expected, writes = decide_all(requests, rows, now)
         with pinned(now):
@@ -130,6 +186,28 @@ def replay(decide: Decide, stored: Stored, start: int, trace, note=lambda label:
             assert held == model.get(row_id(request)), (
                 f"step {step}: {request} holds {held}, not {model.get(row_id(request))}"
             )
+
+
+def _as_request(refund: Refund) -> Request:
+    return Request(refund.config, refund.key, refund.amount)
+
+
+def _replay_refund(refunder: Refunder, stored: Stored, model: dict, now: int, step: int, refund: Refund) -> State:
+    """Refund through the store and ``LimitConfig.refund``; require the same report and state."""
+    config, digest, request = refund.config, refund.key.digest, _as_request(refund)
+    expected = config.refund(model.get(row_id(request)), now, refund.amount, digest)
+    # What BaseBackend.refund reports: the state after it, as a zero-token read that any
+    # debt allows.
+    reading = replace(config, max_reserved=None).decide(expected, now, 0, digest, reserve=True)
+    with pinned(now):
+        outcome = refunder(refund)
+    assert outcome.now == now
+    assert [replace(d, state=None) for d in outcome.decisions] == [replace(reading, state=None)], (
+        f"step {step}: {refund} at {now}: {outcome.decisions} != {reading}"
+    )
+    held = stored(request)
+    assert held == expected, f"step {step}: {refund} at {now} holds {held}, not {expected}"
+    return expected
 
 
 PARITY = hypothesis_settings(

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from django.db.models import BooleanField, Count, DecimalField, F, Func, Q, QuerySet, Value
-from django.db.models.functions import Cast, Mod
+from django.db.models.functions import Cast
 from django.db.models.lookups import GreaterThanOrEqual
 
 from ...limits import LimitConfig
@@ -26,9 +26,7 @@ _SQLITE_FUNCTION = "django_tokenbucket_products_ge"
 def _products_ge(a: int | None, b: int | None, c: int | None, d: int | None) -> int | None:
     if a is None or b is None or c is None or d is None:
         return None
-    # SQLite's MOD() (Django's registered function) answers a float. The fixed-window
-    # elapsed time it yields is an exact integer below 2**53 µs; as a float, its product
-    # with a rate would be rounded, so multiply integers.
+    # Python's integers: SQLite would overflow 64 bits, or round past 2**53 as a double.
     return int(int(a) * int(b) >= int(c) * int(d))
 
 
@@ -78,7 +76,9 @@ def at_least_q(limit: LimitConfig, threshold: int, now: int) -> Q:
     elapsed = Value(now) - F("ts")
     if limit.algorithm.phased:
         # A phased kind credits whole periods only: elapsed minus what is left of the current one.
-        elapsed = elapsed - Mod(elapsed, Value(limit.period))
+        # The % operator, not MOD(): SQLite's MOD() is Django's, in doubles, which lose
+        # windows past 2**53 µs; the operator is exact on 64-bit integers everywhere.
+        elapsed = elapsed - elapsed % Value(limit.period)
     missing = Value(threshold) - F("value")
     # value + floor(rate * elapsed / period) >= threshold  <=>  rate * elapsed >= missing * period
     refilled = Q(ts__lte=now) & Q(ProductsAtLeast(Value(limit.rate), elapsed, missing, Value(limit.period)))
