@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from django.test import override_settings
-from django_tokenbucket.state import FULL, LIMITED, PARTIAL, STATES, live_state
+from django_tokenbucket.live import FULL, LIMITED, PARTIAL, STATES, live_state
 from hypothesis import event, given
 
 from django_tokenbucket.algorithms import ALGORITHMS, MAX_AMOUNT, PORTS, TOKEN_BUCKET, Algorithm, Port, State
