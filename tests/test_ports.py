@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 from django.test import override_settings
-from django_tokenbucket.live import FULL, LIMITED, PARTIAL, STATES, live_state
 from hypothesis import event, given
 
 from django_tokenbucket.algorithms import ALGORITHMS, MAX_AMOUNT, PORTS, TOKEN_BUCKET, Algorithm, Port, State
@@ -29,6 +28,7 @@ from django_tokenbucket.backends.database.filters import count_by_state, state_q
 from django_tokenbucket.backends.database.postgresql import FUNCTION_VERSION
 from django_tokenbucket.backends.redis import RedisBackend
 from django_tokenbucket.limits import FIXED_WINDOW, LimitConfig
+from django_tokenbucket.live import FULL, LIMITED, PARTIAL, STATES, live_state
 from django_tokenbucket.models import RateLimit
 
 from . import parity
