@@ -18,7 +18,7 @@ from .keys import EncodedKey, encode_key
 from .limits import LimitConfig, count_to_micro, freeze, parse_limit
 from .logs import throttled_logger
 from .settings import tokenbucket_settings
-from .shards import pick_two, shard_configs, shard_key, split
+from .shards import key_buckets, pick_two, shard_configs, shard_key, split
 from .status import MultiStatus, Status
 
 __all__ = ["LimitRequest", "Limiter", "limiter"]
@@ -122,8 +122,10 @@ class Limiter:
     def resolve(self, name: str, config: ConfigSpec | LimitConfig | None = None) -> LimitConfig:
         """Return the parsed config of ``name``; raise ImproperlyConfigured if unknown or invalid.
 
-        ``config`` may be one this method returned before, for a caller (a DRF throttle)
-        that decides the same inline limit on every request.
+        Without ``config``, ``name`` is looked up in ``LIMITS``, then among the limits the
+        command and the admin know (``registry.known_limits``: DRF throttle scopes, inline
+        limits). ``config`` may be one this method returned before, for a caller (a DRF
+        throttle) that decides the same inline limit on every request.
         """
         if isinstance(config, LimitConfig):
             return config
@@ -133,11 +135,17 @@ class Limiter:
         try:
             return limits[name]
         except (KeyError, TypeError):
-            known = ", ".join(sorted(map(repr, limits))) or "none"
-            raise ImproperlyConfigured(
-                f"unknown rate limit {name!r}: define it in TOKENBUCKET['LIMITS'] "
-                f"(defined: {known}) or pass config=..."
-            ) from None
+            pass
+        # A DRF throttle scope, or a limit a view declares inline: the command and the
+        # admin know these, so a reset or a read from Python must know them too.
+        others = registry.known_limits(as_rows=False) if isinstance(name, str) else {}
+        if name in others:
+            return others[name].config
+        known = ", ".join(sorted(map(repr, {**others, **limits}))) or "none"
+        raise ImproperlyConfigured(
+            f"unknown rate limit {name!r}: not in TOKENBUCKET['LIMITS'], not declared inline by a view, and not a "
+            f"DRF throttle scope (known: {known}); define it in LIMITS or pass config=..."
+        )
 
     # -- deciding ------------------------------------------------------------------------
     #
@@ -320,10 +328,8 @@ class Limiter:
     def _reset(self, name: str, key: object, config: ConfigSpec | None) -> Steps[None]:
         limit = self.resolve(name, config)
         encoded = self.encode_for(limit, key)
-        if limit.shards == 1:
-            yield _Reset(limit, limit, encoded)
-        for index, shard in enumerate(shard_configs(limit) if limit.shards > 1 else ()):
-            yield _Reset(limit, shard, shard_key(encoded, index, limit.shards))
+        for bucket, part in key_buckets(limit, encoded):
+            yield _Reset(limit, bucket, part)
 
     def _refunded(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Steps[Status]:
         """Refund ``amount`` micro-tokens; a sharded limit's go to its shards with the most room first.

@@ -18,6 +18,7 @@ API key, a password typed in the username box), so their label names only the fi
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Union
@@ -33,8 +34,10 @@ __all__ = [
     "EncodedKey",
     "Key",
     "Redacted",
+    "as_typed",
     "encode_key",
     "is_request_data_key",
+    "label_as_typed",
     "unredacted",
 ]
 
@@ -137,10 +140,52 @@ def _shown(key: object) -> str:
     return repr(key)
 
 
+#: The request keys whose value is kept in clear: labelled ``ip=192.0.2.1``, ``user=42``.
+_CLEAR_KINDS = ("ip", "user")
+
+
+def _spec_and_value(key: object) -> tuple[str, object] | None:
+    """``(spec, value)`` of a key ``@ratelimit`` builds for one spec, else None."""
+    if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)):
+        return None
+    spec, value = key
+    if (spec in _CLEAR_KINDS or spec.startswith(SECRET_KINDS)) and isinstance(value, (str, int, UUID)):
+        return spec, value
+    return None
+
+
+def as_typed(key: object) -> str:
+    """Return ``key`` as an operator types it for ``manage.py tokenbucket --key`` and the
+    admin's search (``ip=192.0.2.1``, ``post:username=alice``), else its repr: for showing a
+    key to whoever typed it (a request's value is shown, unredacted)."""
+    pair = _spec_and_value(key)
+    if pair is None:
+        return repr(unredacted(key))
+    spec, value = pair
+    return f"{spec}={unredacted(value)}"
+
+
+#: A label stored before labels took the ``--key`` form: ``('ip', '192.0.2.1')``, ``('user', 42)``.
+_REPR_LABEL = re.compile(r"\('(ip|user)', (?:'([^'\\]*)'|(\d+))\)")
+
+
+def label_as_typed(label: str) -> str:
+    """Return a stored label as ``_label`` writes it today: rows labelled by an earlier
+    version show ``ip=192.0.2.1`` too, the form an operator pastes into ``--key``."""
+    legacy = _REPR_LABEL.fullmatch(label)
+    if legacy is None:
+        return label
+    return f"{legacy[1]}={legacy[2] if legacy[2] is not None else legacy[3]}"
+
+
 def _label(key: object) -> str:
+    pair = _spec_and_value(key)
     if is_request_data_key(key) and key[1] is not None:  # type: ignore[index]
         # Without a value, ("post:username", None, "ip", address) is keyed by the address.
         text = f"{key[0]}=… (value not stored)"  # type: ignore[index]
+    elif pair is not None:
+        # As the command's --key and the admin's search take it, so it can be pasted there.
+        text = as_typed(key)
     elif isinstance(key, Redacted):
         text = "<redacted>"
     elif isinstance(key, str):

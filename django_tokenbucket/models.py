@@ -11,7 +11,7 @@ from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 from .algorithms import MICRO
-from .keys import LABEL_LENGTH
+from .keys import LABEL_LENGTH, label_as_typed
 from .limits import MAX_NAME_LENGTH
 
 __all__ = ["RateLimit", "Reservation"]
@@ -49,7 +49,7 @@ class RateLimit(models.Model):
         permissions = [("reset_ratelimit", _("Can reset rate limits"))]
 
     def __str__(self) -> str:
-        return f"{self.name} [{self.label or self.key[:12]}]"
+        return f"{self.name} [{label_as_typed(self.label) or self.key[:12]}]"
 
     @property
     def tokens(self) -> float:

@@ -24,7 +24,7 @@ from functools import lru_cache
 from .keys import LABEL_LENGTH, EncodedKey
 from .limits import LimitConfig
 
-__all__ = ["pick_two", "row_config", "shard_configs", "shard_key", "split"]
+__all__ = ["key_buckets", "pick_two", "row_config", "shard_configs", "shard_key", "split"]
 
 
 @lru_cache(maxsize=1024)
@@ -54,6 +54,13 @@ def shard_key(key: EncodedKey, index: int, shards: int) -> EncodedKey:
     """
     suffix = hashlib.sha256(f"{key.digest}/{index}".encode()).hexdigest()
     return EncodedKey(key.digest[:16] + suffix[16:], f"[shard {index + 1}/{shards}] {key.label}"[:LABEL_LENGTH])
+
+
+def key_buckets(config: LimitConfig, key: EncodedKey) -> list[tuple[LimitConfig, EncodedKey]]:
+    """Return the buckets that hold ``key`` of ``config``: itself, or each of its shards."""
+    if config.shards == 1:
+        return [(config, key)]
+    return [(shard, shard_key(key, index, config.shards)) for index, shard in enumerate(shard_configs(config))]
 
 
 def pick_two(shards: int, rng: random.Random | None = None) -> tuple[int, int]:

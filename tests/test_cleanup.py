@@ -114,7 +114,7 @@ def test_rows_that_are_not_idle_do_not_stall_the_batches():
 
 def test_on_sqlite_batches_leave_waiting_writers_a_gap(monkeypatch):
     slept = []
-    monkeypatch.setattr("django_tokenbucket.cleanup.time.sleep", slept.append)
+    monkeypatch.setattr("django_tokenbucket.backends.database.cleanup.time.sleep", slept.append)
     for i in range(3):
         store("login", f"k{i}", 5 * MICRO, 0)
     with frozen_clock(T0):

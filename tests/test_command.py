@@ -176,7 +176,7 @@ def test_reset_unlocks_a_user_locked_by_a_post_username_limit(client):
         with pytest.raises(CommandError, match="nothing matched"):
             run("reset", "login", "alice")  # a plain string is another key
         assert client.post("/login/", {"username": "alice"}).status_code == 429
-        assert "Reset login key ('post:username', 'alice')" in run("reset", "login", "--key", "post:username=ALICE ")
+        assert "Reset login key post:username=alice:" in run("reset", "login", "--key", "post:username=ALICE ")
         assert client.post("/login/", {"username": "alice"}).status_code == 200
         assert "tokens now" in run("show", "login", "--key", "post:username=alice")
     with pytest.raises(CommandError, match="is not SPEC=VALUE"):
@@ -200,6 +200,15 @@ def test_reset_all_keys_asks_first(monkeypatch):
     assert labels() == {"a", "b", "c", "other"}
     assert "Reset 3 key(s) of login" in run("reset", "login")
     assert labels() == {"other"}
+
+
+def test_reset_all_keys_with_stdin_closed_is_a_no(monkeypatch):
+    # "manage.py tokenbucket reset login < /dev/null", as from cron (issue 33).
+    store("login", "a", 0)
+    monkeypatch.setattr("sys.stdin", StringIO(""))
+    with pytest.raises(CommandError, match="reset cancelled: no answer on stdin; pass --yes to reset all 1 keys of 'login'"):
+        run("reset", "login")
+    assert labels() == {"a"}
 
 
 def test_reset_all_keys_without_a_prompt():

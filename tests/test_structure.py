@@ -1,4 +1,6 @@
-"""The package's shape: no import cycle between its modules, and imports at module level.
+"""The package's shape (issue 29): no import cycle between its modules, imports at module
+level, no module of a subpackage past ~600 lines, and no module outside ``backends/``
+importing a concrete backend.
 
 An import inside a function hides a cycle or an optional dependency; each one left
 carries a comment saying why (issue 20). The graph is read from the source (AST), so a
@@ -149,3 +151,72 @@ def test_no_module_of_a_subpackage_grows_past_the_bound():
         if name.count(".") >= 2 or (path.name == "__init__.py" and name.count(".") == 1)
     }
     assert {name: lines for name, lines in too_long.items() if lines > MAX_SUBPACKAGE_MODULE_LINES} == {}
+
+
+#: The backends whose modules only ``backends/`` may import: everything else reaches a
+#: store through ``BaseBackend`` (``backends.get_backend``, ``backends.row_backend``) and
+#: ``operations``, so a new backend needs no change outside its own package.
+CONCRETE_BACKENDS = ("django_tokenbucket.backends.database", "django_tokenbucket.backends.redis")
+
+
+def _concrete_backend_imports(modules: dict[str, tuple[Path, ast.Module]]) -> list[str]:
+    found = []
+    for name, (path, tree) in modules.items():
+        if name.startswith("django_tokenbucket.backends"):
+            continue
+        # Every import counts, also one inside a function or under TYPE_CHECKING.
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                targets = _resolve(name, path.name == "__init__.py", node)
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [
+                f"{name}:{node.lineno} imports {target}"
+                for target in targets
+                if any(target == backend or target.startswith(backend + ".") for backend in CONCRETE_BACKENDS)
+            ]
+    return sorted(set(found))
+
+
+def test_only_backends_import_a_concrete_backend():
+    assert _concrete_backend_imports(_modules()) == []
+
+
+def test_the_layering_check_finds_a_concrete_backend_import():
+    def module(source: str) -> tuple[Path, ast.Module]:
+        return PACKAGE / "admin" / "example.py", ast.parse(source)
+
+    found = _concrete_backend_imports(
+        {
+            "django_tokenbucket.admin.a": module("from ..backends.database.filters import at_least_q"),
+            "django_tokenbucket.admin.b": module("def f():\n    from ..backends import redis"),
+            "django_tokenbucket.c": module("import django_tokenbucket.backends.redis.keyspace"),
+            "django_tokenbucket.d": module("from .backends import get_backend, row_backend"),
+            "django_tokenbucket.backends.e": module("from .database import DatabaseBackend"),
+        }
+    )
+    assert found == [
+        "django_tokenbucket.admin.a:1 imports django_tokenbucket.backends.database.filters",
+        "django_tokenbucket.admin.a:1 imports django_tokenbucket.backends.database.filters.at_least_q",
+        "django_tokenbucket.admin.b:2 imports django_tokenbucket.backends.redis",
+        "django_tokenbucket.c:1 imports django_tokenbucket.backends.redis.keyspace",
+    ]
+
+
+def test_only_backends_query_rate_limit_rows():
+    # The admin's changelist lists the rows Django's admin hands it; resets, set-tokens,
+    # counts and cleanup go through the backend (issue 29, item 2).
+    managers = {"objects", "_default_manager", "_base_manager"}
+    found = [
+        f"{name}:{node.lineno}"
+        for name, (_path, tree) in _modules().items()
+        if not name.startswith("django_tokenbucket.backends")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr in managers
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "RateLimit"
+    ]
+    assert found == []

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections import defaultdict
 from decimal import Decimal
 from typing import Any, cast
 
@@ -13,16 +13,14 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.contrib.contenttypes.models import ContentType
-from django.db import transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from ..algorithms import MICRO, State
-from ..backends.database import database_now as store_now
-from ..limits import LimitConfig
+from ..algorithms import MICRO
+from ..backends import row_backend
 from ..models import RateLimit
 from ..registry import known_limits
 from ..text import format_tokens
@@ -82,11 +80,11 @@ class BucketActions(BucketAdminViews):
         return f"{format_tokens(row.live.value)} of {format_tokens(row.live.capacity)} tokens"
 
     def reset_rows(self, request: HttpRequest, rows: list[RateLimit]) -> int:
-        """Delete ``rows`` (each key starts full again), logging one LogEntry per row."""
+        """Forget ``rows`` (each key starts full again), logging one LogEntry per row."""
         if not rows:
             return 0
-        alias = rows[0]._state.db or "default"
-        context = _Context(now=store_now(alias), limits=known_limits())
+        backend = row_backend(rows[0]._state.db or "default")
+        context = _Context(now=backend.store_now(), limits=known_limits())
         self._log(
             request,
             [
@@ -94,8 +92,10 @@ class BucketActions(BucketAdminViews):
                 for obj in rows
             ],
         )
-        deleted, _counts = RateLimit.objects.using(alias).filter(pk__in=[obj.pk for obj in rows]).delete()
-        return deleted
+        by_name: dict[str, list[str]] = defaultdict(list)
+        for obj in rows:
+            by_name[obj.name].append(obj.key)
+        return sum(backend.reset_buckets(name, digests) for name, digests in by_name.items())
 
     @admin.action(description=_("Reset selected keys (full again)"), permissions=["reset"])
     def reset_selected(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
@@ -152,34 +152,17 @@ class BucketActions(BucketAdminViews):
         return TemplateResponse(request, "admin/django_tokenbucket/ratelimit/set_tokens.html", context)
 
     def _set_tokens(self, request: HttpRequest, rows: list[RateLimit], value: int) -> tuple[int, int]:
-        alias = rows[0]._state.db or "default"
+        backend = row_backend(rows[0]._state.db or "default")
         limits = known_limits()
         logged: list[tuple[RateLimit, int, str]] = []
         skipped = 0
         for obj in rows:
             known = limits.get(obj.name)
-            if known is None:
+            changed = None if known is None else backend.set_tokens(known.config, obj.key, value)
+            if changed is None:
                 skipped += 1
                 continue
-            with transaction.atomic(using=alias):
-                # Under the row lock, at the store's time: what live traffic wrote a
-                # moment ago is the state being adjusted, not a stale copy of it.
-                locked = RateLimit.objects.using(alias).select_for_update().filter(pk=obj.pk).values_list("value", "ts")
-                current = next(iter(locked), None)
-                if current is None:
-                    skipped += 1
-                    continue
-                before, new = self._adjusted(known.config, State(*current), obj.key, value, store_now(alias))
-                RateLimit.objects.using(alias).filter(pk=obj.pk).update(value=new.value, ts=new.ts)
-            logged.append((obj, CHANGE, f"Set tokens to {format_tokens(new.value)} (was {format_tokens(before)})."))
+            before, after = changed
+            logged.append((obj, CHANGE, f"Set tokens to {format_tokens(after)} (was {format_tokens(before)})."))
         self._log(request, logged)
         return len(logged), skipped
-
-    @staticmethod
-    def _adjusted(limit: LimitConfig, state: State, key: str, value: int, now: int) -> tuple[int, State]:
-        """Return the value now and the state that holds ``value`` (capped at the capacity) from now on."""
-        probe = limit.decide(state, now, 0, key, reserve=True)
-        base = probe.state or limit.decide(None, now, 0, key, reserve=True).state
-        assert base is not None
-        # Keep the state's time base: a token bucket's refill phase, a window's start.
-        return probe.value, replace(base, value=min(value, limit.capacity))

@@ -26,12 +26,12 @@ from django.utils.translation import ngettext
 
 from ..backends import backend_aliases, get_backend
 from ..backends.base import BackendError, BaseBackend, StoredBucket
-from ..keys import EncodedKey, encode_key
+from ..keys import encode_key
 from ..live import live_state
 from ..models import RateLimit
 from ..registry import KnownLimit, known_limits
 from ..request_keys import key_from_text
-from ..shards import shard_key
+from ..shards import key_buckets
 from ..text import describe_rate, format_duration, format_tokens
 from .display import _DIGEST, _HEX_PREFIX, _full_again, _key_html, _local_time, _meter
 
@@ -170,10 +170,7 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
         if cursor is None:
             whole = known_limits(as_rows=False)[known.name].config
             for key in dict.fromkeys(k for k in (term, key_from_text(term)) if k is not None):
-                encoded = encode_key(key)
-                shards = whole.shards
-                parts = [encoded] if shards == 1 else [shard_key(encoded, i, shards) for i in range(shards)]
-                for part in parts:
+                for _config, part in key_buckets(whole, encode_key(key)):
                     page = backend.list_buckets(known.config, digest_prefix=part.digest)
                     found.update((bucket.digest, bucket) for bucket in page.buckets)
                     now = page.now
@@ -349,12 +346,12 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
         if len(digests) > MAX_ACTION_ROWS:
             raise PermissionDenied
         try:
-            for digest in digests:
-                backend.reset(known.config, EncodedKey(digest, ""))
-                _log_reset(request, alias, known.name, digest, "Reset: it starts full again.")
+            backend.reset_buckets(known.name, digests)
         except BackendError as exc:
             self.message_user(request, str(_("The store failed: %(error)s") % {"error": exc}), messages.ERROR)
             return HttpResponseRedirect(list_url)
+        for digest in digests:
+            _log_reset(request, alias, known.name, digest, "Reset: it starts full again.")
         self.message_user(
             request,
             ngettext("Reset %(count)d key.", "Reset %(count)d keys.", len(digests)) % {"count": len(digests)},

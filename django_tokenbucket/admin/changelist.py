@@ -12,7 +12,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.translation import gettext_lazy as _
 
-from ..backends.database.filters import state_q
+from ..backends import row_backend
 from ..live import FULL, LIMITED, PARTIAL
 from ..registry import known_limits
 from .display import _UNCONFIGURED, _context, _row
@@ -70,4 +70,6 @@ class StateFilter(admin.SimpleListFilter):
             return queryset.exclude(name__in=list(context.limits))
         if value not in (LIMITED, PARTIAL, FULL):
             return queryset.none()
-        return queryset.filter(state_q([known.config for known in context.limits.values()], value, context.now))
+        configs = [known.config for known in context.limits.values()]
+        found: QuerySet[Any] = row_backend(queryset.db).rows_in_state(queryset, configs, value, context.now)
+        return found

@@ -22,7 +22,8 @@ from django.utils.safestring import SafeString
 from django.utils.translation import gettext_lazy as _
 
 from ..algorithms import MICRO, State
-from ..backends.database import database_now as store_now
+from ..backends import row_backend
+from ..keys import label_as_typed
 from ..live import LiveState, live_state
 from ..models import RateLimit
 from ..registry import KnownLimit, known_limits
@@ -81,7 +82,7 @@ def _context(request: HttpRequest, alias: str) -> _Context:
     # interpreted at the same instant, so they agree with each other.
     cache: dict[str, _Context] = request.__dict__.setdefault("_tokenbucket_admin", {})
     if alias not in cache:
-        cache[alias] = _Context(now=store_now(alias), limits=known_limits())
+        cache[alias] = _Context(now=row_backend(alias).store_now(), limits=known_limits())
     return cache[alias]
 
 
@@ -121,6 +122,7 @@ def _meter(live: LiveState) -> SafeString:
 
 
 def _key_html(label: str, digest: str) -> SafeString:
+    label = label_as_typed(label)
     title = f"{label}\ndigest: {digest}" if label else f"digest: {digest}"
     if not label:
         return format_html('<span class="tb-digest" title="{}">{}…</span>', title, digest[:12])
@@ -151,7 +153,7 @@ class BucketColumns:
             return row
         # The detail page: interpreted on its own, at a fresh clock reading.
         alias = obj._state.db or "default"
-        return _row(obj, _Context(now=store_now(alias), limits=known_limits()))
+        return _row(obj, _Context(now=row_backend(alias).store_now(), limits=known_limits()))
 
     @admin.display(description=_("limit"))
     def limit_name(self, obj: RateLimit) -> SafeString:

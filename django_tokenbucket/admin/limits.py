@@ -14,9 +14,8 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.translation import gettext_lazy as _
 
-from ..backends import backend_aliases, get_backend
+from ..backends import backend_aliases, get_backend, row_backend
 from ..backends.base import BackendError
-from ..backends.database.filters import count_by_state
 from ..live import FULL, LIMITED, PARTIAL
 from ..registry import KnownLimit
 from ..text import describe_rate, format_tokens
@@ -59,13 +58,11 @@ class LimitsOverview(BucketActions):
     def _counts(
         self, request: HttpRequest, names: list[str] | None = None
     ) -> tuple[_Context, dict[str, dict[str, int]]]:
-        queryset = self.get_queryset(request)
-        context = _context(request, queryset.db)
+        database = self.get_queryset(request).db
+        context = _context(request, database)
         configs = [known.config for known in context.limits.values()]
-        if names is not None:
-            queryset = queryset.filter(name__in=names)
-            configs = [config for config in configs if config.name in names]
-        return context, count_by_state(queryset, configs, context.now, partial=names is not None)
+        counts = row_backend(database).count_by_state(configs, context.now, only=names, partial=names is not None)
+        return context, counts
 
     def _elsewhere_counts(self, request: HttpRequest, limits: dict[str, KnownLimit]) -> dict[str, int | None]:
         """Stored keys of the limits on other backends than this changelist's database:

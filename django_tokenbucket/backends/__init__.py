@@ -33,6 +33,7 @@ __all__ = [
     "is_django_redis",
     "redis_backend",
     "reset_backend",
+    "row_backend",
 ]
 
 _backends: dict[str, BaseBackend] = {}
@@ -98,6 +99,24 @@ def redis_backend(cache: str) -> BaseBackend:
     from .redis import RedisBackend
 
     return RedisBackend({"CACHE": cache}, setting=f"RATELIMIT_USE_CACHE ({cache!r})")
+
+
+def row_backend(database: str | None = None) -> BaseBackend:
+    """Return the backend whose buckets are the ``RateLimit`` rows of ``database``.
+
+    Without ``database``: the first configured backend that keeps rows ("default"
+    first), or, when none does (every limit on Redis), a database backend on the
+    database the router picks for ``RateLimit``. A database no configured backend uses
+    gets a database backend of its own, for the command's ``--database``.
+    """
+    for alias in backend_aliases():
+        backend = get_backend(alias)
+        if backend.keeps_rows and (database is None or backend.database_alias() == database):
+            return backend
+    # Imported here: the models (and so the database backend) load after the app registry.
+    from .database import DatabaseBackend
+
+    return DatabaseBackend({"DATABASE": database} if database else {})
 
 
 def reset_backend() -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from asgiref.sync import sync_to_async
@@ -18,12 +20,16 @@ from ..keys import EncodedKey
 from ..limits import LimitConfig
 
 __all__ = [
+    "MAX_BATCH_SIZE",
+    "UNKNOWN_IDLE",
     "BackendError",
     "BaseBackend",
     "BucketPage",
+    "CleanupReport",
     "Outcome",
     "Request",
     "StoredBucket",
+    "checked_digests",
     "decide_all",
     "row_id",
 ]
@@ -70,6 +76,69 @@ class BucketPage:
     cursor: str | None
     #: The store's clock when the page was read, in µs since the epoch.
     now: int
+
+
+#: Resets and cleanups of many buckets go in batches of at most this many: larger
+#: batches hold their locks (and, on SQLite, the database) for longer.
+MAX_BATCH_SIZE = 1000
+#: Seconds without a write after which the buckets of a name no limit here knows may be
+#: removed by a cleanup (``remove_unknown``), at the least: another service may use that
+#: limit inline.
+UNKNOWN_IDLE = 7 * 86400
+
+
+@dataclass
+class CleanupReport:
+    """What a cleanup run did (``BaseBackend.cleanup``). Counts are stored buckets."""
+
+    #: Buckets deleted, by limit name (idle ones; unknown names only with remove_unknown).
+    deleted: Counter[str] = field(default_factory=Counter)
+    #: Candidates confirmed not idle (not full again yet, such as buckets in debt): kept.
+    kept: int = 0
+    #: Buckets under names that are not configured, by name (before any removal).
+    unknown: dict[str, int] = field(default_factory=dict)
+    batches: int = 0
+    seconds: float = 0.0
+    slowest_batch: float = 0.0
+    #: False when ``max_seconds`` ran out before every limit was done.
+    complete: bool = True
+    dry_run: bool = False
+
+    @property
+    def deleted_total(self) -> int:
+        return sum(self.deleted.values())
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.deleted_total / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the report as plain data (for logs, JSON and Celery results)."""
+        return {
+            "deleted": dict(self.deleted),
+            "deleted_total": self.deleted_total,
+            "kept": self.kept,
+            "unknown": self.unknown,
+            "batches": self.batches,
+            "seconds": round(self.seconds, 3),
+            "slowest_batch_seconds": round(self.slowest_batch, 4),
+            "rows_per_second": round(self.rows_per_second, 1),
+            "complete": self.complete,
+            "dry_run": self.dry_run,
+        }
+
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def checked_digests(name: str, digests: Iterable[str]) -> list[str]:
+    """Return ``digests`` as a list, each checked to be a key digest (64 lowercase hex
+    digits): an operator's typo is an error, never a pattern or a key of another kind."""
+    found = list(digests)
+    for digest in found:
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise ValueError(f"rate limit {name!r}: {digest!r} is not a key digest (64 lowercase hex digits)")
+    return found
 
 
 class BackendError(Exception):
@@ -140,19 +209,36 @@ class BaseBackend(ABC):
     What a backend can do beyond deciding is declared here, so that the rest of the
     package asks instead of testing for a class: ``database_alias()`` (its buckets are
     ``RateLimit`` rows there, its decisions join that database's transactions),
-    ``store_now()`` (its clock), ``refund()``, and the operations of the admin and the
-    command: ``list_buckets()``, ``count_buckets()``, ``reset_all()`` when
-    ``lists_buckets`` says so.
+    ``store_now()`` (its clock), ``refund()``, and the operations that the admin and the
+    command reach through ``django_tokenbucket.operations``:
+
+    - with ``lists_buckets``: ``list_buckets()``, ``count_buckets()``, ``reset_all()``
+      and ``reset_buckets()`` (by digest, whatever the limit's config is now);
+    - with ``counts_cheaply``: ``stored_names()`` and ``count_by_state()``, which read
+      an index rather than every bucket;
+    - with ``keeps_rows``: ``rows_in_state()`` (the admin's changelist filter) and
+      ``set_tokens()``;
+    - with ``needs_cleanup``: ``cleanup()``, for stores whose full buckets do not
+      expire by themselves.
+
+    Each one a backend does not offer raises NotImplementedError.
     """
 
     #: Its buckets can be listed page by page (``list_buckets``), counted
-    #: (``count_buckets``) and all reset at once (``reset_all``).
+    #: (``count_buckets``), reset by digest (``reset_buckets``) and all reset at once
+    #: (``reset_all``).
     lists_buckets: ClassVar[bool] = False
     #: It keeps a readable label beside each bucket's digest (client address, user id).
     keeps_labels: ClassVar[bool] = False
-    #: Counting its buckets reads an index; otherwise it walks the whole store, which
-    #: the admin does not do on a page view.
+    #: Counting its buckets (``stored_names``, ``count_by_state``) reads an index;
+    #: otherwise it walks the whole store, which the admin does not do on a page view.
     counts_cheaply: ClassVar[bool] = False
+    #: Its buckets are ``RateLimit`` rows of ``database_alias()``: the admin's changelist
+    #: lists them, filters them by state (``rows_in_state``) and sets their tokens
+    #: (``set_tokens``).
+    keeps_rows: ClassVar[bool] = False
+    #: Full buckets stay stored until ``cleanup()`` deletes them.
+    needs_cleanup: ClassVar[bool] = False
 
     #: The OPTIONS this backend takes; others are an error (``check_options``). None
     #: leaves them unchecked, for a backend that does not say.
@@ -213,6 +299,41 @@ class BaseBackend(ABC):
     def reset_all(self, config: LimitConfig, *, batch_size: int = 1000) -> int:
         """Forget every stored bucket of ``config`` (its shards too), in batches; return how many."""
         raise NotImplementedError(f"{type(self).__name__} cannot reset every key of a limit")
+
+    def reset_buckets(self, name: str, digests: Sequence[str]) -> int:
+        """Forget the stored buckets of limit ``name`` with these key digests; return how many were stored.
+
+        By name, not config: the buckets of a limit no longer configured can go too.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot reset keys by digest")
+
+    def stored_names(self) -> dict[str, int]:
+        """Return how many buckets are stored under each limit name, configured or not."""
+        raise NotImplementedError(f"{type(self).__name__} cannot count its buckets by name cheaply")
+
+    def count_by_state(
+        self, configs: Iterable[LimitConfig], now: int, *, only: Sequence[str] | None = None, partial: bool = True
+    ) -> dict[str, dict[str, int]]:
+        """Return, per stored limit name (of ``only``, when given), the buckets ``stored``
+        and how many are ``limited`` at store time ``now``; with ``partial``, also
+        ``partial`` and ``full`` for the limits in ``configs`` (see ``live.STATES``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot count its buckets by state cheaply")
+
+    def rows_in_state(self, rows: Any, configs: Iterable[LimitConfig], state: str, now: int) -> Any:
+        """Return the ``RateLimit`` queryset ``rows`` narrowed to those in ``state`` at ``now``."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no RateLimit rows")
+
+    def set_tokens(self, config: LimitConfig, digest: str, value: int) -> tuple[int, int] | None:
+        """Make the stored bucket ``digest`` hold ``value`` micro-tokens from now on
+        (at most the capacity), under its lock at store time.
+
+        Returns its value before and after, or None when no bucket is stored there.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot set a key's tokens")
+
+    def cleanup(self, limits: Mapping[str, LimitConfig], **options: Any) -> CleanupReport:
+        """Delete stored buckets that read as fresh ones (full); see ``django_tokenbucket.cleanup``."""
+        raise NotImplementedError(f"{type(self).__name__}'s keys expire by themselves; nothing to clean up")
 
     @abstractmethod
     def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:

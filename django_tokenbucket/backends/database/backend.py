@@ -27,7 +27,6 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, OperationalError, connections, router, transaction
-from django.db.models import Count
 from django.db.models.expressions import RawSQL
 
 from ... import catalogue, clock
@@ -39,16 +38,15 @@ from ...settings import tokenbucket_settings
 from ..base import (
     BackendError,
     BaseBackend,
-    BucketPage,
     Outcome,
     RecentDenials,
     Request,
     RowId,
-    StoredBucket,
     decide_all,
     row_id,
 )
 from .deadline import Watch, watching
+from .operations import RowOperations
 from .postgresql import (
     FUNCTION_NAME,
     PREPARE_MODES,
@@ -118,7 +116,7 @@ def database_now(alias: str) -> int:
     return DatabaseBackend({"DATABASE": alias})._read_clock(alias)
 
 
-class DatabaseBackend(BaseBackend):
+class DatabaseBackend(RowOperations, BaseBackend):
     """Store limits in the ``RateLimit`` table.
 
     Options: ``DATABASE``, the alias to use (default: the router's choice for writes
@@ -137,6 +135,8 @@ class DatabaseBackend(BaseBackend):
     lists_buckets = True
     keeps_labels = True
     counts_cheaply = True
+    keeps_rows = True
+    needs_cleanup = True
 
     def __init__(self, options: Mapping[str, Any], *, setting: str = "TOKENBUCKET") -> None:
         super().__init__(options, setting=setting)
@@ -374,51 +374,6 @@ class DatabaseBackend(BaseBackend):
         alias = self.alias()
         try:
             RateLimit.objects.using(alias).filter(name=config.name, key=key.digest).delete()
-        except DatabaseError as exc:
-            raise BackendError(f"database {alias!r}: {type(exc).__name__}: {exc}") from exc
-
-    def list_buckets(
-        self, config: LimitConfig, *, cursor: str | None = None, page_size: int = 100, digest_prefix: str = ""
-    ) -> BucketPage:
-        """A page in digest order after ``cursor`` (the last digest of the previous page):
-        a range of the ``(name, key)`` unique index."""
-        alias = self.alias()
-        rows = RateLimit.objects.using(alias).filter(name=config.name)
-        if digest_prefix:
-            rows = rows.filter(key__startswith=digest_prefix)
-        if cursor:
-            rows = rows.filter(key__gt=cursor)
-        try:
-            found = list(rows.order_by("key").values_list("key", "label", "value", "ts")[: page_size + 1])
-            now = self._read_clock(alias)
-        except DatabaseError as exc:
-            raise BackendError(f"database {alias!r}: {type(exc).__name__}: {exc}") from exc
-        buckets = [StoredBucket(key, label, State(value, ts)) for key, label, value, ts in found[:page_size]]
-        more = len(found) > page_size
-        return BucketPage(buckets, buckets[-1].digest if more else None, now)
-
-    def count_buckets(self, configs: Sequence[LimitConfig]) -> dict[str, int]:
-        alias = self.alias()
-        names = [config.name for config in configs]
-        rows = RateLimit.objects.using(alias).filter(name__in=names).order_by().values("name").annotate(n=Count("pk"))
-        try:
-            counts = {row["name"]: row["n"] for row in rows}
-        except DatabaseError as exc:
-            raise BackendError(f"database {alias!r}: {type(exc).__name__}: {exc}") from exc
-        return {name: counts.get(name, 0) for name in names}
-
-    def reset_all(self, config: LimitConfig, *, batch_size: int = 1000) -> int:
-        """Delete the limit's rows in batches of primary keys, so that no statement locks
-        a large part of a live table."""
-        alias = self.alias()
-        manager = RateLimit.objects.using(alias)
-        deleted = 0
-        try:
-            while True:
-                batch = list(manager.filter(name=config.name).order_by().values_list("pk", flat=True)[:batch_size])
-                if not batch:
-                    return deleted
-                deleted += manager.filter(pk__in=batch).delete()[0]
         except DatabaseError as exc:
             raise BackendError(f"database {alias!r}: {type(exc).__name__}: {exc}") from exc
 

@@ -19,7 +19,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from ...keys import EncodedKey
 from ...limits import LimitConfig
-from ..base import BucketPage, StoredBucket
+from ..base import BucketPage, StoredBucket, checked_digests
 from .script import _parse_state, _text
 
 __all__ = ["MAX_RESET_BATCH", "SCAN_COUNT", "KeyspaceListing", "state_key"]
@@ -38,7 +38,10 @@ def state_key(config: LimitConfig, key: EncodedKey) -> str:
 
 
 def _key_head(config: LimitConfig) -> str:
-    name = config.name
+    return _name_head(config.name)
+
+
+def _name_head(name: str) -> str:
     if not _PLAIN_NAME.fullmatch(name):
         name = "~" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
     return f"tokenbucket:{name}:"
@@ -221,6 +224,20 @@ class KeyspaceListing:
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc) from exc
         return {name: len(digests) for name, digests in seen.items()}
+
+    def reset_buckets(self, name: str, digests: Sequence[str]) -> int:
+        """UNLINK the keys of these digests: one command on a single Redis; one pipeline
+        of single-key UNLINKs on a cluster, whose keys lie in many slots."""
+        checked = checked_digests(name, digests)
+        if not checked:
+            return 0
+        try:
+            connection = self._connect()
+            outer = self._key_pattern(connection, _name_head(name))
+            keys = [outer.key(_state_key("", EncodedKey(digest, ""))) for digest in checked]
+            return _unlink(connection.client, keys, isinstance(connection.client, RedisCluster))
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise self._failed(exc) from exc
 
     def reset_all(self, config: LimitConfig, *, batch_size: int = MAX_RESET_BATCH) -> int:
         """UNLINK the limit's keys as SCAN finds them, ``batch_size`` at a time (one

@@ -28,27 +28,21 @@ from __future__ import annotations
 
 import json
 from argparse import SUPPRESS, ArgumentParser
-from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
-from django.db.models import Count
 
-from ...algorithms import State
-from ...api import limiter
-from ...backends import backend_aliases, get_backend
-from ...backends.base import BackendError, BaseBackend, BucketPage, Request, StoredBucket
-from ...backends.database import database_now as store_now
-from ...backends.database.filters import count_by_state
-from ...cleanup import MAX_BATCH_SIZE, CleanupReport, cleanup, database_alias, unknown_names
-from ...keys import EncodedKey, encode_key, unredacted
+from ... import operations
+from ...backends import backend_aliases, get_backend, row_backend
+from ...backends.base import BackendError, BaseBackend, CleanupReport, StoredBucket
+from ...cleanup import MAX_BATCH_SIZE, cleanup, database_alias
+from ...keys import as_typed, encode_key
 from ...limits import LimitConfig
-from ...live import FULL, LIMITED, PARTIAL, LiveState, live_state, one_token
-from ...models import RateLimit
+from ...live import FULL, LIMITED, PARTIAL, LiveState, live_state
 from ...registry import KnownLimit, known_limits
 from ...request_keys import key_from_text
-from ...shards import shard_configs, shard_key
+from ...shards import key_buckets
 from ...text import describe_rate, format_duration, format_tokens
 
 _JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"
@@ -150,7 +144,10 @@ class Command(BaseCommand):
         if database is not None and database not in settings.DATABASES:
             raise CommandError(f"--database: {database!r} does not exist in DATABASES")
         handler = getattr(self, f"handle_{options['subcommand']}")
-        handler(**options)
+        try:
+            handler(**options)
+        except BackendError as exc:
+            raise CommandError(f"the store failed: {exc}") from exc
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -163,7 +160,7 @@ class Command(BaseCommand):
             f"unknown rate limit {name!r}: not in TOKENBUCKET['LIMITS'], not declared inline by a view, "
             f"and not a DRF throttle scope (known: {known})"
         )
-        stored = RateLimit.objects.using(database_alias(database)).filter(name=name).count()
+        stored = row_backend(database).stored_names().get(name, 0)
         if stored:
             message += (
                 f". {stored} row(s) are stored under this name: "
@@ -205,25 +202,11 @@ class Command(BaseCommand):
     def _bucket_by_digest(self, limit: LimitConfig, prefix: str, database: str | None) -> tuple[StoredBucket, int]:
         """Return the one stored bucket of ``limit`` whose digest starts with ``prefix``, and the store's time."""
         prefix = prefix.lower()
-        if len(prefix) < 8 or any(c not in "0123456789abcdef" for c in prefix):
-            raise CommandError(f"--digest: {prefix!r} is not a digest or a prefix of 8+ hex digits")
-        if database is not None:
-            rows = list(
-                RateLimit.objects.using(database)
-                .filter(name=limit.name, key__startswith=prefix)
-                .order_by("key")
-                .values_list("key", "label", "value", "ts")[:2]
-            )
-            found = [StoredBucket(key, label, State(value, ts)) for key, label, value, ts in rows]
-            now = store_now(database)
-        else:
-            backend = self._listing_backend(limit, "find a key by its digest")
-            found, now = [], 0
-            for page in _pages(backend, limit, digest_prefix=prefix, page_size=2):
-                found += page.buckets
-                now = page.now
-                if len(found) > 1:
-                    break
+        shortest = operations.DIGEST_PREFIX_LENGTH
+        if len(prefix) < shortest or any(c not in "0123456789abcdef" for c in prefix):
+            raise CommandError(f"--digest: {prefix!r} is not a digest or a prefix of {shortest}+ hex digits")
+        backend = self._listing_backend(limit, database, "find a key by its digest")
+        found, now = operations.find_by_digest(backend, limit, prefix)
         if not found:
             raise CommandError(f"no key of {limit.name!r} has a digest starting with {prefix!r}")
         if len(found) > 1:
@@ -231,8 +214,8 @@ class Command(BaseCommand):
         return found[0], now
 
     @staticmethod
-    def _listing_backend(limit: LimitConfig, what: str) -> BaseBackend:
-        backend = limiter.backend(limit)
+    def _listing_backend(limit: LimitConfig, database: str | None, what: str) -> BaseBackend:
+        backend = operations.store_of(limit, database)
         if not backend.lists_buckets:
             raise CommandError(
                 f"{limit.name!r} is stored on backend {limit.backend!r} ({type(backend).__name__}), which cannot "
@@ -250,53 +233,13 @@ class Command(BaseCommand):
         if stored is not None:
             self.stdout.write(f"  stored row:   {'yes' if stored else 'no (a fresh key)'}")
 
-    def _live_from_backend(self, limit: LimitConfig, key: EncodedKey) -> LiveState:
-        """Read a key's state now from the limit's backend: a sharded limit's is the sum of its shards'."""
-        backend = limiter.backend(limit)
-        buckets = _buckets(limit, key)
-        try:
-            probe = backend.decide([Request(config, part, 0, reserve=True) for config, part in buckets], apply=False)
-            value = sum(decision.value for decision in probe.decisions)
-            wait = 0
-            if value < one_token(limit):
-                # The next token of the limit is the first one any of its buckets gets back.
-                nexts = backend.decide(
-                    [Request(config, part, one_token(config)) for config, part in buckets], apply=False
-                ).decisions
-                waits = [d.retry_after for d in nexts if d.retry_after is not None]
-                wait = min(waits, default=0)
-        except BackendError as exc:
-            raise CommandError(f"the store failed: {exc}") from exc
-        return LiveState(
-            value=value,
-            capacity=limit.capacity,
-            full_after=max(decision.full_after for decision in probe.decisions),
-            next_token_after=wait,
-            now=probe.now,
-            threshold=one_token(limit),
-        )
-
-    @staticmethod
-    def _stored(limit: LimitConfig, key: EncodedKey, database: str | None) -> bool | None:
-        """Whether the key has a stored bucket (None when the backend cannot say)."""
-        digests = [part.digest for _, part in _buckets(limit, key)]
-        if database is not None:
-            return RateLimit.objects.using(database).filter(name=limit.name, key__in=digests).exists()
-        backend = limiter.backend(limit)
-        if not backend.lists_buckets:
-            return None
-        try:
-            return any(backend.list_buckets(limit, digest_prefix=digest).buckets for digest in digests)
-        except BackendError as exc:
-            raise CommandError(f"the store failed: {exc}") from exc
-
     # -- list ------------------------------------------------------------------------
 
     def handle_list(self, *, database: str | None, no_counts: bool, **options: Any) -> None:
         limits = known_limits()
         counts: dict[str, int | str] = {}
         if not no_counts:
-            counts.update(self._counts(limits, database))
+            counts.update(operations.count_stored(limits, database))
         names = sorted(set(limits) | set(counts))
         if not names:
             self.stdout.write("No rate limits are configured, and none are stored.")
@@ -311,30 +254,6 @@ class Command(BaseCommand):
             else:
                 where = "" if database is not None else f" on {known.config.backend!r}"
                 self.stdout.write(f"{name:<{width}}  {describe_rate(known.config)} [{known.source}]{stored}{where}")
-
-    @staticmethod
-    def _counts(limits: dict[str, KnownLimit], database: str | None) -> dict[str, int | str]:
-        """Stored keys by limit: each backend counts its own limits; rows of names no
-        limit here knows are counted in the database."""
-        counts: dict[str, int | str] = {}
-        if database is not None:
-            rows = RateLimit.objects.using(database).order_by().values("name").annotate(rows=Count("pk"))
-            return {row["name"]: row["rows"] for row in rows}
-        for alias in backend_aliases():
-            configs = [known.config for known in limits.values() if known.config.backend == alias]
-            backend = get_backend(alias)
-            if not configs:
-                continue
-            if not backend.lists_buckets:
-                uncounted = f"stored keys not counted ({type(backend).__name__} cannot list them)"
-                counts.update((config.name, uncounted) for config in configs)
-                continue
-            try:
-                counts.update(backend.count_buckets(configs))
-            except BackendError as exc:
-                raise CommandError(f"backend {alias!r}: the store failed: {exc}") from exc
-        counts.update(unknown_names(limits))
-        return counts
 
     # -- show ------------------------------------------------------------------------
 
@@ -354,21 +273,12 @@ class Command(BaseCommand):
             return
         key = self._key(options)
         encoded = encode_key(key)
-        self.stdout.write(f"key {unredacted(key)!r} (digest {encoded.digest})")
-        self._print_live(self._live_from_backend(limit, encoded), self._stored(limit, encoded, database))
+        self.stdout.write(f"key {as_typed(key)} (digest {encoded.digest})")
+        live = operations.key_state(operations.store_of(limit), limit, encoded)
+        self._print_live(live, operations.is_stored(operations.store_of(limit, database), limit, encoded))
 
     def _show_summary(self, limit: LimitConfig, database: str | None) -> None:
-        alias = database or limiter.backend(limit).database_alias()
-        if alias is not None:
-            rows = RateLimit.objects.using(alias).filter(name=limit.name)
-            counts = count_by_state(rows, [limit], store_now(alias)).get(limit.name, {})
-        else:
-            # No index to count by state: every stored bucket is read, a page at a time.
-            counts = {"stored": 0, LIMITED: 0, PARTIAL: 0, FULL: 0}
-            for page in _pages(self._listing_backend(limit, "summarise its keys"), limit):
-                for bucket in page.buckets:
-                    counts["stored"] += 1
-                    counts[live_state(limit, bucket.state, bucket.digest, page.now).state] += 1
+        counts = operations.counts_by_state(self._listing_backend(limit, database, "summarise its keys"), limit)
         self.stdout.write(f"  stored keys:     {counts.get('stored', 0)}")
         self.stdout.write(f"  limited now:     {counts.get(LIMITED, 0)}")
         self.stdout.write(f"  partially used:  {counts.get(PARTIAL, 0)}")
@@ -386,65 +296,44 @@ class Command(BaseCommand):
             return
         if options["digest"]:
             bucket, _now = self._bucket_by_digest(limit, options["key"], database)
-            if database is not None:
-                RateLimit.objects.using(database).filter(name=limit.name, key=bucket.digest).delete()
-            else:
-                try:
-                    limiter.backend(limit).reset(limit, EncodedKey(bucket.digest, bucket.label))
-                except BackendError as exc:
-                    raise CommandError(f"the store failed: {exc}") from exc
+            operations.store_of(limit, database).reset_buckets(limit.name, [bucket.digest])
             self.stdout.write(f"Reset {name} key {bucket.label or bucket.digest}: it starts full again.")
             return
         key = self._key(options)
         encoded = encode_key(key)
-        existed = self._stored(limit, encoded, database)
-        if not existed and self._live_from_backend(limit, encoded).value >= limit.capacity:
+        backend = operations.store_of(limit)
+        existed = operations.is_stored(operations.store_of(limit, database), limit, encoded)
+        if not existed and operations.key_state(backend, limit, encoded).value >= limit.capacity:
             # Saying "reset" here would tell an operator that a locked-out user is free.
             raise CommandError(
-                f"{name} key {unredacted(key)!r} has no state to reset (it reads full): nothing matched. Keys that "
+                f"{name} key {as_typed(key)} has no state to reset (it reads full): nothing matched. Keys that "
                 f"@ratelimit and the DRF throttles build are not plain strings: give them as --key SPEC=VALUE "
                 f"({_REQUEST_KEY_HINT}), or find the bucket in the admin and use --digest."
             )
-        try:
-            for config, part in _buckets(limit, encoded):
-                limiter.backend(limit).reset(config, part)
-        except BackendError as exc:
-            raise CommandError(f"the store failed: {exc}") from exc
+        for config, part in key_buckets(limit, encoded):
+            backend.reset(config, part)
         # The operator typed the key: show it, normalised, as the bucket holds it.
-        self.stdout.write(f"Reset {name} key {unredacted(key)!r}: it starts full again.")
+        self.stdout.write(f"Reset {name} key {as_typed(key)}: it starts full again.")
 
     def _reset_all(self, limit: LimitConfig, database: str | None, *, yes: bool, interactive: bool) -> None:
-        if database is not None:
-            rows = RateLimit.objects.using(database).filter(name=limit.name)
-            total = rows.count()
-        else:
-            backend = self._listing_backend(limit, "reset every key of it")
-            try:
-                total = backend.count_buckets([limit])[limit.name]
-            except BackendError as exc:
-                raise CommandError(f"the store failed: {exc}") from exc
+        backend = self._listing_backend(limit, database, "reset every key of it")
+        total = backend.count_buckets([limit])[limit.name]
         if total == 0:
             self.stdout.write(f"{limit.name}: no keys are stored; nothing to reset.")
             return
         if not yes:
             if not interactive:
                 raise CommandError(f"refusing to reset all {total} keys of {limit.name!r} without --yes")
-            answer = input(f"Reset all {total} stored keys of {limit.name!r}? They start full again. [y/N] ")
+            try:
+                answer = input(f"Reset all {total} stored keys of {limit.name!r}? They start full again. [y/N] ")
+            except EOFError:
+                # Run from cron or CI, stdin is closed: no answer is a no.
+                raise CommandError(
+                    f"reset cancelled: no answer on stdin; pass --yes to reset all {total} keys of {limit.name!r}"
+                ) from None
             if answer.strip().lower() not in ("y", "yes"):
                 raise CommandError("reset cancelled")
-        if database is not None:
-            deleted = 0
-            while True:
-                # In batches, so that no statement locks a large part of a live table.
-                batch = list(rows.order_by().values_list("pk", flat=True)[:MAX_BATCH_SIZE])
-                if not batch:
-                    break
-                deleted += RateLimit.objects.using(database).filter(pk__in=batch).delete()[0]
-        else:
-            try:
-                deleted = backend.reset_all(limit, batch_size=MAX_BATCH_SIZE)
-            except BackendError as exc:
-                raise CommandError(f"the store failed: {exc}") from exc
+        deleted = backend.reset_all(limit, batch_size=MAX_BATCH_SIZE)
         self.stdout.write(f"Reset {deleted} key(s) of {limit.name}: they start full again.")
 
     # -- cleanup ---------------------------------------------------------------------
@@ -489,7 +378,7 @@ class Command(BaseCommand):
         if database is None:
             for alias in backend_aliases():
                 backend = get_backend(alias)
-                if backend.database_alias() is None:
+                if not backend.needs_cleanup:
                     self.stdout.write(
                         f"Backend {alias!r} ({type(backend).__name__}): its keys expire when their bucket is full "
                         f"again; nothing to clean up."
@@ -525,30 +414,9 @@ class Command(BaseCommand):
 
 def _cleanup_databases() -> list[str]:
     """The databases of the backends that store rows; the default backend's first."""
-    aliases = [get_backend(alias).database_alias() for alias in backend_aliases()]
-    found = list(dict.fromkeys(alias for alias in aliases if alias is not None))
-    return found or [database_alias()]
-
-
-def _pages(backend: BaseBackend, limit: LimitConfig, **kwargs: Any) -> Iterator[BucketPage]:
-    """Every page of ``limit``'s stored buckets, from the first to the last."""
-    cursor = None
-    while True:
-        try:
-            page = backend.list_buckets(limit, cursor=cursor, **kwargs)
-        except BackendError as exc:
-            raise CommandError(f"the store failed: {exc}") from exc
-        yield page
-        if page.cursor is None:
-            return
-        cursor = page.cursor
-
-
-def _buckets(limit: LimitConfig, key: EncodedKey) -> list[tuple[LimitConfig, EncodedKey]]:
-    """Return the buckets that hold ``key`` of ``limit``: itself, or each of its shards."""
-    if limit.shards == 1:
-        return [(limit, key)]
-    return [(shard, shard_key(key, index, limit.shards)) for index, shard in enumerate(shard_configs(limit))]
+    backends = [get_backend(alias) for alias in backend_aliases()]
+    found = [backend.database_alias() for backend in backends if backend.needs_cleanup]
+    return list(dict.fromkeys(alias for alias in found if alias is not None)) or [database_alias()]
 
 
 def _one_key(options: dict[str, Any]) -> bool:
