@@ -142,10 +142,11 @@ _CACHE_HINT = (
 )
 E020 = Check("E020", "{setting}['OPTIONS']['CACHE'] = {alias!r} is not an alias in CACHES.", _CACHE_HINT)
 E021 = Check("E021", E013.message, E013.hint)
-W020 = Check(
-    "W020",
+# An error since W020 let such a site start with every rate-limit call failing (issue 33).
+E027 = Check(
+    "E027",
     "The Redis rate-limit backend uses CACHES[{alias!r}], whose BACKEND {backend!r} is not a django-redis cache: "
-    "every rate-limit call will fail.",
+    "every rate-limit call would fail.",
     _CACHE_HINT,
 )
 W021 = Check(

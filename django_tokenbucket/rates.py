@@ -29,8 +29,12 @@ UNIT_SECONDS = {
     **dict.fromkeys(("d", "day", "days"), 86400),
 }
 
-#: How error messages list the units.
-UNIT_SPELLINGS = "s, m, h, d, or sec, min, hr, second, minute, hour, day (and their plurals)"
+#: How error messages (and so ``manage.py check``) list the units: every spelling, by unit,
+#: as docs/settings.md's table of rate strings does (tests/test_rates.py holds them together).
+UNIT_SPELLINGS = "; ".join(
+    ", ".join(spelling for spelling, length in UNIT_SECONDS.items() if length == seconds)
+    for seconds in sorted(set(UNIT_SECONDS.values()))
+)
 
 _RATE_RE = re.compile(
     r"(?P<count>[0-9]+)/(?P<multiplier>[0-9]+)?(?P<unit>"
@@ -139,8 +143,8 @@ def _parse_rate(rate: str) -> tuple[Fraction, Fraction]:
     if match is None:
         raise ValueError(
             f"invalid rate {rate!r}: expected 'N/unit' or 'N/Munit' with N and M "
-            f"positive ASCII integers and unit one of {UNIT_SPELLINGS} "
-            f"(e.g. '10/m', '5/10m', '1000/day', '60/min')"
+            f"positive ASCII integers and the unit one of: {UNIT_SPELLINGS} "
+            f"(e.g. '10/m', '5/10min', '1000/day')"
         )
     count = int(match["count"])
     multiplier = int(match["multiplier"]) if match["multiplier"] is not None else 1

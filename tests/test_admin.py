@@ -252,6 +252,25 @@ def listed(client: Client, query: str, at: float = T0) -> set[str]:
     )
 
 
+def test_request_keys_show_as_the_command_and_the_search_take_them():
+    # ('ip', '127.0.0.1') could not be pasted into --key or the search (issue 33).
+    store("login", ("ip", "203.0.113.7"), 1, T0)
+    store("login", ("user", 42), 1, T0)
+    # A row labelled before labels took this form.
+    RateLimit.objects.create(
+        name="login", key=encode_key(("ip", "198.51.100.4")).digest, label="('ip', '198.51.100.4')", value=0, ts=0
+    )
+    client = client_for(make_user("root", superuser=True))
+    with frozen_clock(T0):
+        content = client.get(CHANGELIST).content.decode()
+        for shown in ("ip=203.0.113.7", "user=42", "ip=198.51.100.4"):
+            assert f">{shown}<" in content
+            # What is shown finds the row in the search, as it does with the command's --key.
+            found = client.get(CHANGELIST + "?q=" + shown).content.decode()
+            assert f">{shown}<" in found and found.count('class="tb-key"') == 1
+    assert "(&#x27;ip&#x27;" not in content
+
+
 def test_filter_by_state_now(rows):
     client = client_for(make_user("root", superuser=True))
     assert listed(client, "?state=limited") == {"alice"}

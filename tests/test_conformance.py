@@ -200,8 +200,11 @@ def test_inline_config(clock):
     assert limiter.get_value("inline", "i", config=config) == 0
     limiter.reset("inline", "i", config=config)
     assert limiter.get_value("inline", "i", config=config) == 4
-    with pytest.raises(ImproperlyConfigured, match="inline"):
-        limiter.get_value("inline", "i")
+    # Once seen, the limit is known by name, as the command and the admin know it.
+    limiter.limit("inline", "i", config=config, count=3)
+    assert limiter.get_value("inline", "i") == 1
+    with pytest.raises(ImproperlyConfigured, match="never_seen_inline"):
+        limiter.get_value("never_seen_inline", "i")
 
 
 def test_unknown_limit_is_an_error(clock):

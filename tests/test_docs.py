@@ -5,7 +5,8 @@ For each page, a copy of a fresh ``django-admin startproject mysite`` gets:
 
 - the page's settings blocks appended to ``mysite/settings.py``, after the README's
   quickstart settings that every other page builds on;
-- blocks headed ``# myapp/<module>.py`` written to that file and imported;
+- blocks headed ``# myapp/<module>.py`` written to that file and imported (the README's
+  Quick start view is also called, until it answers 429);
 - every other Python block run in one namespace per page, in order (a view's body,
   with a bare ``return``, runs as a view's body), with the names the prose gives it:
   ``user``, ``uid``, ``ip``, ``tenant``, ``tenant_id``, ``request`` and the Django
@@ -451,6 +452,30 @@ def test_the_documented_unlock_works(fresh_project: Path, tmp_path: Path) -> Non
     assert "ok index.md walkthrough" in output, output
 
 
+def test_the_quick_start_view_answers_429_when_the_limit_is_spent(fresh_project: Path, tmp_path: Path) -> None:
+    """README.md's Quick start view, called as a request would: send_message holds 20."""
+    page = ROOT / "README.md"
+    project = page_project(page, fresh_project, tmp_path / "project")
+    project.add_code(QUICK_START_REQUESTS, "README quick start view")
+    output = project.run_steps()
+    assert "ok README quick start view" in output, output
+
+
+QUICK_START_REQUESTS = """
+from django.contrib.auth import get_user_model
+from django.test import RequestFactory
+from django_tokenbucket.testing import frozen_clock
+from myapp.views import send_message
+
+request = RequestFactory().post("/send/")
+request.user = get_user_model().objects.create_user("bob")
+with frozen_clock():
+    responses = [send_message(request) for _ in range(21)]
+assert [r.status_code for r in responses] == [200] * 20 + [429], responses
+assert responses[-1]["Retry-After"] == "6"  # 10 a minute: one token every 6 s
+"""
+
+
 # Run by docs_runner in the project: alice is locked out after 5 attempts (whatever the
 # address), the documented command unlocks her, and her next attempt is let in.
 LOCK_AND_UNLOCK = """
@@ -479,3 +504,39 @@ def _require_redis() -> None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"CI=true and {message}")
         pytest.skip(message)
+
+
+#: What a newcomer's Python has before any ``pip install``: the standard library, pip,
+#: and what installing this package brings.
+PRESENT_MODULES = set(sys.stdlib_module_names) | {"pip", "django"}
+
+
+def _python_modules_run_before_install(block: Block) -> list[str]:
+    """The ``python -m <module>`` of ``block`` whose module no earlier line installed."""
+    missing, installed = [], set()
+    for line in shell_lines(block):
+        for command in re.split(r"&&|;|\|\|", line):
+            words = command.split()
+            if words[:2] == ["pip", "install"] or words[1:4] == ["-m", "pip", "install"]:
+                installed |= {re.split(r"[\[<>=!~ ]", word.strip("'\""))[0] for word in words if not word.startswith("-")}
+            elif len(words) > 2 and re.fullmatch(r"python(3(\.\d+)?)?", words[0]) and words[1] == "-m":
+                module = words[2].split(".")[0]
+                if module not in PRESENT_MODULES and module not in installed:
+                    missing.append(f"{block.where}: {command.strip()}")
+    return missing
+
+
+def test_a_shell_block_installs_what_it_runs_with_python_m() -> None:
+    # The README once said "python -m build" to a newcomer without "pip install build" (issue 33).
+    blocks = [block for page in PAGES for block in read_blocks(page) if block.lang in SHELL_LANGS]
+    assert [where for block in blocks for where in _python_modules_run_before_install(block)] == []
+
+
+def test_the_install_check_finds_a_module_never_installed() -> None:
+    def block(source: str) -> Block:
+        return Block(ROOT / "README.md", 1, "bash", source)
+
+    assert _python_modules_run_before_install(block("python -m build .\n")) == ["README.md:1: python -m build ."]
+    assert _python_modules_run_before_install(block("pip install build && python -m build .\n")) == []
+    assert _python_modules_run_before_install(block("python3 -m pip install 'build>=1'\npython3 -m build\n")) == []
+    assert _python_modules_run_before_install(block("python -m venv .venv && python -m django --version\n")) == []

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from django_tokenbucket import limiter
-from django_tokenbucket.keys import LABEL_LENGTH, Redacted, encode_key
+from django_tokenbucket.keys import LABEL_LENGTH, Redacted, as_typed, encode_key, label_as_typed
 from django_tokenbucket.testing import frozen_clock
 
 HEX64 = re.compile(r"[0-9a-f]{64}", re.ASCII)
@@ -187,7 +187,31 @@ def test_one_id_however_it_is_passed_is_one_bucket(group):
 
 def test_a_uuid_key_is_labelled_as_its_text():
     key = ("user", uuid.UUID("6f9619ff-8b86-d011-b42d-00cf4fc964ff"))
-    assert encode_key(key).label == "('user', '6f9619ff-8b86-d011-b42d-00cf4fc964ff')"
+    assert encode_key(key).label == "user=6f9619ff-8b86-d011-b42d-00cf4fc964ff"
+
+
+@pytest.mark.parametrize(
+    ("key", "label"),
+    [
+        (("ip", "2001:db8::1"), "ip=2001:db8::1"),
+        (("user", 42), "user=42"),
+        (("user", "42"), "user=42"),
+        (("post:username", Redacted("alice")), "post:username=… (value not stored)"),
+        (("ip", "192.0.2.1", "user", 7), "('ip', '192.0.2.1', 'user', 7)"),
+        (("tenant", "acme"), "('tenant', 'acme')"),
+        (("ip", None), "('ip', None)"),
+    ],
+    ids=repr,
+)
+def test_request_keys_are_labelled_as_the_command_takes_them(key, label):
+    assert encode_key(key).label == label
+
+
+def test_as_typed_shows_a_typed_request_value_in_the_form_it_was_typed():
+    assert as_typed(("post:username", Redacted("alice"))) == "post:username=alice"
+    assert as_typed(("ip", "192.0.2.1")) == "ip=192.0.2.1"
+    assert as_typed("alice") == "'alice'"
+    assert as_typed(("tenant", 3)) == "('tenant', 3)"
 
 
 @pytest.mark.parametrize("key", [True, False, ("user", True), (1, (False,))], ids=repr)
@@ -389,3 +413,19 @@ def test_remembered_pairs_encode_as_fresh_ones(settings):
     settings.TOKENBUCKET = {**settings.TOKENBUCKET, "KEY_SECRET": None}
     assert [encode_key(pair) for pair in pairs] == first  # computed again
     assert len({encoded.digest for encoded in first}) == len(pairs)
+
+
+@pytest.mark.parametrize(
+    ("stored", "shown"),
+    [
+        ("('ip', '192.0.2.1')", "ip=192.0.2.1"),
+        ("('user', 42)", "user=42"),
+        ("('user', '6f9619ff-8b86-d011-b42d-00cf4fc964ff')", "user=6f9619ff-8b86-d011-b42d-00cf4fc964ff"),
+        ("('tenant', 'acme')", "('tenant', 'acme')"),
+        ("('ip', '192.0.2.1', 'user', 7)", "('ip', '192.0.2.1', 'user', 7)"),
+        ("alice", "alice"),
+        ("", ""),
+    ],
+)
+def test_a_label_stored_by_an_earlier_version_shows_as_typed(stored, shown):
+    assert label_as_typed(stored) == shown

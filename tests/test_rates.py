@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from decimal import Decimal
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from hypothesis import example, given
@@ -117,6 +119,31 @@ def test_unit_table_is_consistent():
     # Every spelled-out unit means the same as its one-letter form.
     for word, letter in [("second", "s"), ("minute", "m"), ("hour", "h"), ("day", "d"), ("sec", "s"), ("min", "m"), ("hr", "h")]:
         assert UNIT_SECONDS[word] == UNIT_SECONDS[word + "s"] == UNIT_SECONDS[letter]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def documented_units() -> dict[str, set[str]]:
+    """docs/settings.md's table of rate-string units: unit name -> spellings."""
+    text = (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| (second|minute|hour|day) \| (.+) \|$", text, re.M)
+    return {unit: set(re.findall(r"`([a-z]+)`", spellings)) for unit, spellings in rows}
+
+
+def test_one_grammar_in_the_docs_the_error_and_the_check():
+    # The README and settings.md listed "s m h d second minute hour day" while the parser
+    # took "5/min" and its error listed "sec, min, hr" (issue 33).
+    documented = documented_units()
+    seconds = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+    assert {spelling: seconds[unit] for unit, spellings in documented.items() for spelling in spellings} == UNIT_SECONDS
+    with pytest.raises(ValueError) as excinfo:
+        parse_rate("10/mo")
+    listed = str(excinfo.value).partition("one of: ")[2].partition(" (e.g.")[0]
+    assert [set(group.split(", ")) for group in listed.split("; ")] == [documented[unit] for unit in seconds]
+    # The README states no list of its own: it points at that table.
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "docs/settings.md#limit-config" in readme and "`second`, `minute`" not in readme
 
 
 # ---------------------------------------------------------------------------------------

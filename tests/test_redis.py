@@ -627,9 +627,13 @@ def test_check_passes_for_a_django_redis_cache(redis_store):
     assert [check_id for check_id, _ in redis_messages(OPTIONS={"CACHE": "redis"})] == expected
 
 
-def test_check_warns_when_the_cache_is_not_django_redis():
-    [(check_id, message)] = redis_messages(OPTIONS={})  # "default" is a LocMemCache here
-    assert check_id == "django_tokenbucket.W020" and "'default'" in message and "django-redis" in message
+def test_a_cache_that_is_not_django_redis_is_an_error():
+    # An error, so that "manage.py check" fails and runserver does not start (issue 33).
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, "BACKEND": REDIS_BACKEND, "OPTIONS": {}}):
+        [message] = [m for m in run_checks(tags=["caches"]) if (m.id or "").startswith("django_tokenbucket.")]
+    # "default" is a LocMemCache here.
+    assert message.id == "django_tokenbucket.E027" and message.is_serious()
+    assert "CACHES['default']" in message.msg and "LocMemCache" in message.msg and "django-redis" in message.msg
 
 
 def test_check_reports_a_missing_or_bad_cache_alias():

@@ -8,10 +8,12 @@ import sys
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 from rest_framework.test import APIClient
 
 from django_tokenbucket import limiter
+from django_tokenbucket.request_keys import key_from_text
 from django_tokenbucket.testing import frozen_clock
 
 from .settings import REST_FRAMEWORK
@@ -57,6 +59,21 @@ def test_user_throttle_is_per_user(api, alice):
     assert codes(api, "/api/default/", 6) == [200] * 5 + [429]
     api.force_authenticate(None)
     assert api.get("/api/default/").status_code == 200  # anonymous: a bucket of its own
+
+
+def test_the_python_api_knows_a_drf_scope_as_the_command_does(api, alice):
+    # limiter.reset("user", ...) said "unknown rate limit 'user'" while
+    # "tokenbucket reset user --key user=<pk>" worked (issue 33).
+    api.force_authenticate(alice)
+    assert codes(api, "/api/default/", 6) == [200] * 5 + [429]
+    key = key_from_text(f"user={alice.pk}")
+    assert limiter.get_value("user", key) == 0 and not limiter.check("user", key).ok
+    limiter.reset("user", key)
+    assert limiter.get_value("user", key) == 5
+    assert codes(api, "/api/default/", 1) == [200]
+    # Still an error naming what is known, for a name that is none of these.
+    with pytest.raises(ImproperlyConfigured, match=r"unknown rate limit 'usr': .* DRF throttle scope .*'user'"):
+        limiter.reset("usr", key)
 
 
 def test_a_denial_by_one_throttle_spends_no_token_of_another(api, alice):

@@ -22,7 +22,7 @@ def check_cache(options: Mapping[str, Any], setting: str) -> list[Any]:
         return [catalogue.E020(setting=setting, alias=alias)]
     cache_backend = cache_settings[alias].get("BACKEND")
     if not is_django_redis(cache_backend):
-        return [catalogue.W020(setting=setting, alias=alias, backend=cache_backend)]
+        return [catalogue.E027(setting=setting, alias=alias, backend=cache_backend)]
     policy = _eviction_policy(alias)
     if policy is not None and policy != "noeviction":
         return [catalogue.W021(alias=alias, policy=policy)]
