@@ -11,18 +11,11 @@ nothing), and concurrent requests cannot overshoot the rate.
 
 from __future__ import annotations
 
-# hashlib, socket, time and zlib are unused: they are names django-ratelimit's core has, kept
-# so that code and tests that reach for them (a mock.patch target) find them after the swap.
-# Patching them here moves nothing: the limiter keeps its own clock (testing.frozen_clock).
 import contextvars
 import functools
-import hashlib  # noqa: F401
 import ipaddress
 import re
-import socket  # noqa: F401
 import threading
-import time  # noqa: F401
-import zlib  # noqa: F401
 from collections.abc import Callable, Iterable
 from typing import Any, TypedDict
 
