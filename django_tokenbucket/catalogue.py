@@ -178,15 +178,16 @@ E033 = Check("E033", "REST_FRAMEWORK['DEFAULT_THROTTLE_CLASSES']: {error}")
 E040 = Check(
     "E040",
     "RATELIMIT_USE_CACHE = {alias!r} is not an alias in CACHES.",
-    "Name a cache in CACHES, or remove the setting to use TOKENBUCKET's backend.",
+    "Name a cache in CACHES, or remove the setting to use the default cache, as django-ratelimit does.",
 )
 E041 = Check("E041", "{setting} must be a prefix length from 0 to {bits}, not {value!r}.")
 E042 = Check("E042", "RATELIMIT_EXCEPTION_CLASS = {value!r}: {error}")
 W040 = Check(
     "W040",
-    "RATELIMIT_USE_CACHE = {alias!r} is a {backend}, which cannot hold a limit atomically: "
-    "django_tokenbucket.compat.ratelimit keeps its limits in TOKENBUCKET's backend instead.",
-    "Nothing to do if that is what you want; a django-redis cache is used as a Redis backend.",
+    "django_tokenbucket.compat.ratelimit keeps its limits in TOKENBUCKET's backend, not in the cache "
+    "django-ratelimit would use: CACHES[{alias!r}] ({named}), a {backend}, cannot hold a limit atomically.",
+    "Nothing to do if that is what you want. To keep them in that cache's Redis, make it a django-redis cache "
+    "(BACKEND 'django_redis.cache.RedisCache'); tests that count queries: docs/migrating.md#your-tests.",
 )
 
 #: Every check, by code.

@@ -11,6 +11,7 @@ nothing), and concurrent requests cannot overshoot the rate.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import ipaddress
 import re
@@ -20,8 +21,9 @@ from typing import Any, TypedDict
 
 from django.conf import settings
 from django.core.cache import caches
-from django.core.cache.backends.dummy import DummyCache
 from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
@@ -36,9 +38,13 @@ from ...limits import LimitConfig
 from ...request_keys import normalize_identity, posted_field
 from ...settings import tokenbucket_settings
 from ...status import Status
-from . import ALL, UNSAFE
+from . import ALL, UNSAFE, stores
 
 __all__ = ["get_usage", "is_ratelimited"]
+
+#: django-ratelimit's margin on its cache entries' lifetime, for code that reads it; each
+#: window here ends exactly, and its state expires with it.
+EXPIRATION_FUDGE = 5
 
 Rate = str | tuple[int, int] | None
 
@@ -55,6 +61,8 @@ class Usage(TypedDict):
 _PERIODS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # django-ratelimit's grammar, which reads a prefix: "5/10m", "100/h", "100/10" (seconds).
 _RATE = re.compile(r"(?P<count>[0-9]+)/(?P<multiplier>[0-9]*)(?P<unit>[smhd])?", re.ASCII)
+#: The rate grammar under django-ratelimit's public name: ``groups()`` is (count, multiplier, unit).
+rate_re = _RATE
 
 
 def _split_rate(rate: str | tuple[int, int]) -> tuple[int, int]:
@@ -128,15 +136,16 @@ _SIMPLE_KEYS: dict[str, Callable[[HttpRequest], str]] = {
 }
 
 
-def _header(request: HttpRequest, name: str) -> str:
-    return str(request.META.get("HTTP_" + name.replace("-", "_").upper(), ""))
+def get_header(request: HttpRequest, header: str) -> str:
+    """Return the request's ``header`` (``"X-Api-Key"``), ``""`` when absent: the ``header:`` key."""
+    return str(request.META.get("HTTP_" + header.replace("-", "_").upper(), ""))
 
 
 _ACCESSOR_KEYS: dict[str, Callable[[HttpRequest, str], str]] = {
     "get": lambda request, field: request.GET.get(field, ""),
     # As the view reads it: a JSON body too, DRF's parsed data on a DRF request.
     "post": lambda request, field: posted_field(request, field) or "",
-    "header": _header,
+    "header": get_header,
 }
 
 
@@ -197,25 +206,29 @@ _limiters_lock = threading.Lock()
 
 
 def _limiter() -> Limiter | None:
-    """Return the limiter for ``RATELIMIT_USE_CACHE``, or None when it names a DummyCache.
+    """Return the limiter for the cache django-ratelimit would use, or None when it is a DummyCache.
 
-    A django-redis cache is used as a Redis backend of its own; any other cache cannot
-    hold a limit's state atomically, so the state goes to ``TOKENBUCKET``'s backend
-    (the database by default) and ``manage.py check`` says so. A ``DummyCache``
-    stores nothing, and limits nothing, as with django-ratelimit.
+    That cache is ``RATELIMIT_USE_CACHE``, the ``default`` cache when unset, as in
+    django-ratelimit; ``stores.home`` tells where its limits live.
     """
-    alias = getattr(settings, "RATELIMIT_USE_CACHE", None)
-    if alias is None:
-        return limiter
-    cache = caches[alias]  # an unknown alias raises InvalidCacheBackendError, as before
-    if isinstance(cache, DummyCache):
+    alias = stores.cache_alias()
+    where = stores.home(caches[alias])  # an unknown alias raises InvalidCacheBackendError, as before
+    if where == "nowhere":
         return None
-    if not type(cache).__module__.startswith("django_redis"):
+    if where == "tokenbucket":
         return limiter
     with _limiters_lock:
         if alias not in _limiters:
             _limiters[alias] = Limiter(_redis_backend(alias))
         return _limiters[alias]
+
+
+@receiver(setting_changed)
+def _forget_limiters(*, setting: str, **kwargs: Any) -> None:
+    # An alias may name another cache after the change (override_settings in tests).
+    if setting in ("CACHES", "RATELIMIT_USE_CACHE", "TOKENBUCKET"):
+        with _limiters_lock:
+            _limiters.clear()
 
 
 def _redis_backend(alias: str) -> BaseBackend:
@@ -226,6 +239,12 @@ def _redis_backend(alias: str) -> BaseBackend:
 
 
 # -- the decision --------------------------------------------------------------------------
+
+# The limiter's status of the last decision in this context: get_usage() returns
+# django-ratelimit's dict, and the decorator, which goes through the patchable
+# is_ratelimited() as django-ratelimit's does, still raises Ratelimited with the limit's
+# name and Retry-After.
+_last_status: contextvars.ContextVar[Status | None] = contextvars.ContextVar("_last_status", default=None)
 
 
 def _decide(
@@ -303,6 +322,7 @@ def get_usage(
     ``should_limit`` says whether it would be limited if it were counted.
     """
     decided = _decide(request, group, fn, key, rate, method, increment)
+    _last_status.set(None if decided is None else decided[1])
     return None if decided is None else decided[0]
 
 

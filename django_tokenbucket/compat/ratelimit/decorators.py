@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from functools import wraps
 from typing import Any, TypeVar
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
@@ -13,10 +13,13 @@ from django.utils.module_loading import import_string
 
 from ...exceptions import RateLimited
 from . import ALL, UNSAFE
-from .core import _decide
+from .core import _last_status, is_ratelimited
 from .exceptions import Ratelimited
 
 __all__ = ["ratelimit"]
+
+#: The attribute set on every view this ``ratelimit`` decorates.
+MARK = "_tokenbucket_compat_ratelimit"
 
 View = TypeVar("View", bound=Callable[..., Any])
 
@@ -34,12 +37,20 @@ def ratelimit(
 
     def decorator(fn: View) -> View:
         def limited(request: HttpRequest) -> bool:
-            decided = _decide(request, group, fn, key, rate, method, increment=True)
-            over = decided is not None and decided[0]["should_limit"]
-            request.limited = over or getattr(request, "limited", False)  # type: ignore[attr-defined]
+            old_limited = getattr(request, "limited", False)
+            token = _last_status.set(None)
+            try:
+                # Looked up in this module at each call, as django-ratelimit's decorator does,
+                # so that mock.patch("...decorators.is_ratelimited") decides for it.
+                over = is_ratelimited(
+                    request=request, group=group, fn=fn, key=key, rate=rate, method=method, increment=True
+                )
+                status = _last_status.get()
+            finally:
+                _last_status.reset(token)
+            request.limited = over or old_limited  # type: ignore[attr-defined]
             if over and block:
-                assert decided is not None
-                raise _exception(decided[1])
+                raise _exception(status)
             return over
 
         if iscoroutinefunction(fn):
@@ -55,7 +66,11 @@ def ratelimit(
                 limited(request)
                 return fn(request, *args, **kwargs)
 
-        return functools.wraps(fn)(wrapped)  # type: ignore[return-value]
+        decorated = wraps(fn)(wrapped)
+        # Marks the view for the checks (they look for it in the URLconf). functools.wraps
+        # copies it outwards, and method_decorator onto the method it makes.
+        setattr(decorated, MARK, True)
+        return decorated  # type: ignore[return-value]
 
     return decorator
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+# Re-exported: django-ratelimit's exceptions module has the name (Ratelimited's base there).
+from django.core.exceptions import PermissionDenied  # noqa: F401
+
 from ...exceptions import RateLimited
 
 if TYPE_CHECKING:
