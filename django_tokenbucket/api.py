@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, Union
@@ -17,6 +19,7 @@ from .exceptions import BackendUnavailable, RateLimited
 from .keys import EncodedKey, encode_key
 from .limits import LimitConfig, count_to_micro, freeze, parse_limit
 from .logs import throttled_logger
+from .rates import to_fraction
 from .settings import tokenbucket_settings
 from .shards import key_buckets, pick_two, shard_configs, shard_key, split
 from .status import MultiStatus, Status
@@ -284,6 +287,70 @@ class Limiter:
         limit, amount = self._refund_amount(name, count, config)
         return await self._adrive(self._refunded(limit, self.encode_for(limit, key), amount, key))
 
+    def acquire(
+        self,
+        name: str,
+        key: object = None,
+        count: int | float = 1,
+        timeout: float | None = None,
+        config: ConfigSpec | None = None,
+    ) -> Status:
+        """Reserve ``count`` tokens and sleep until they exist; return the reservation's Status.
+
+        For code that must wait rather than be refused: a script, a thread, a worker
+        calling a paid API. Reservations are served in the order they are made: each
+        waits for the tokens reserved before it, then for its own. The sleep releases
+        the GIL. With ``timeout`` (seconds), a call whose wait would pass it takes
+        nothing and raises RateLimited, whose ``retry_after`` says when the same call
+        would wait no longer; ``max_reserved`` bounds the wait too. A count that no wait
+        within ``timeout`` could cover raises ValueError. A shadow limit never waits.
+        """
+        limit = self._acquiring(name, count, timeout, config)
+        status = self._decide_one(name, key, count, True, limit, apply=True, throws=True)
+        wait = _wait_for(limit, status)
+        if wait:
+            time.sleep(wait)
+        return status
+
+    async def aacquire(
+        self,
+        name: str,
+        key: object = None,
+        count: int | float = 1,
+        timeout: float | None = None,
+        config: ConfigSpec | None = None,
+    ) -> Status:
+        """``acquire()`` for async code: it awaits, never blocking the event loop."""
+        limit = self._acquiring(name, count, timeout, config)
+        status = await self._adrive(self._one(name, key, count, True, limit, apply=True, throws=True))
+        wait = _wait_for(limit, status)
+        if wait:
+            await asyncio.sleep(wait)
+        return status
+
+    def _acquiring(
+        self, name: str, count: int | float, timeout: float | None, config: ConfigSpec | None
+    ) -> LimitConfig:
+        """Return the limit to reserve from: its ``max_reserved`` lowered to what ``timeout`` repays."""
+        limit = self.resolve(name, config)
+        limit.validate_count(count, True)
+        if timeout is None:
+            return limit
+        try:
+            wait = to_fraction(timeout, "timeout")
+        except ValueError as exc:
+            raise ValueError(f"rate limit {limit.name!r}: {exc}") from None
+        if wait < 0:
+            raise ValueError(f"rate limit {limit.name!r}: timeout must not be negative, not {timeout!r}")
+        bounded = limit.reserving_within(int(wait * MICRO))
+        micro = count_to_micro(count)
+        if bounded.max_count is not None and micro > bounded.max_count:
+            raise ValueError(
+                f"rate limit {limit.name!r}: count {count!r} cannot be acquired within timeout {timeout!r}: "
+                f"even a full bucket ({limit.capacity_tokens:g}) would leave a wait longer than that"
+            )
+        return bounded
+
     # -- internals -------------------------------------------------------------------
 
     def refund_encoded(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Status:
@@ -376,7 +443,7 @@ class Limiter:
         key: object,
         count: int | float,
         reserve: bool,
-        config: ConfigSpec | None,
+        config: ConfigSpec | LimitConfig | None,
         *,
         apply: bool,
         throws: bool,
@@ -401,7 +468,7 @@ class Limiter:
         key: object,
         count: int | float,
         reserve: bool,
-        config: ConfigSpec | None,
+        config: ConfigSpec | LimitConfig | None,
         *,
         apply: bool,
         throws: bool,
@@ -704,6 +771,14 @@ class Limiter:
             failed_open=True,
             shadow=limit.shadow,
         )
+
+
+def _wait_for(limit: LimitConfig, status: Status) -> float:
+    """Seconds until the tokens of an acquired reservation exist (0 when they do, when the
+    store failed open, or on a shadow limit, which never blocks)."""
+    if limit.shadow or not status.ok or status.retry_after is None:
+        return 0.0
+    return max(0.0, status.retry_after)
 
 
 def one_backend(limits: Sequence[LimitConfig]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from fractions import Fraction
 from typing import Any
@@ -146,6 +146,29 @@ class LimitConfig:
             reserve=reserve,
             max_reserved=self.max_reserved,
         )
+
+    def reserving_within(self, wait: int) -> LimitConfig:
+        """Return this limit with ``max_reserved`` lowered so that a reservation waits at
+        most ``wait`` microseconds for its tokens (``limiter.acquire``'s ``timeout``).
+
+        A debt is paid within the time its refill takes from zero (``refill_time``); a
+        fixed window's is counted from the start of the current window, so a wait that
+        would end within ``wait`` by less than one window may be refused.
+        """
+        refill_time = self.algorithm.refill_time
+        # The largest debt repaid within ``wait``: refill_time is monotone in the amount.
+        low, high = 0, max(self.rate, (wait + 1) * self.rate // self.period + self.rate)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if refill_time(middle, self.rate, self.period) <= wait:
+                low = middle
+            else:
+                high = middle - 1
+        # Each shard holds an equal share of the debt.
+        bound = low - low % self.shards
+        if self.max_reserved is not None and self.max_reserved <= bound:
+            return self
+        return replace(self, max_reserved=bound)
 
     def refund(self, state: State | None, now: int, amount: int, key_digest: str) -> State:
         """Return ``state`` once ``amount`` micro-tokens are given back at ``now`` (capped at capacity)."""
