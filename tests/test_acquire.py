@@ -67,81 +67,81 @@ def timed(call, *args, **kwargs):
 
 
 def test_it_sleeps_until_the_reserved_tokens_exist(acquire, clock):
-    limiter.limit("fast", config=FAST, count=100)
-    status, slept = timed(acquire, "fast", count=2, config=FAST)
+    limiter.limit("acquire-fast", config=FAST, count=100)
+    status, slept = timed(acquire, "acquire-fast", count=2, config=FAST)
     assert status.ok and status.retry_after == pytest.approx(0.02)
     assert 0.02 <= slept < 0.02 + SLACK
     # Taken ahead of time: the bucket owes the two tokens until they are refilled.
-    assert limiter.get_value("fast", config=FAST) == -2
+    assert limiter.get_value("acquire-fast", config=FAST) == -2
     # Tokens that are there are taken without a wait.
     clock.advance(1)
-    status, slept = timed(acquire, "fast", count=5, config=FAST)
+    status, slept = timed(acquire, "acquire-fast", count=5, config=FAST)
     assert status.ok and status.retry_after is None and slept < SLACK
 
 
 def test_a_wait_past_the_timeout_takes_nothing(acquire, clock):
-    limiter.limit("fast", config=FAST, count=100)
+    limiter.limit("acquire-fast", config=FAST, count=100)
     with pytest.raises(RateLimited) as denied:
-        acquire("fast", count=1, timeout=0.005, config=FAST)
+        acquire("acquire-fast", count=1, timeout=0.005, config=FAST)
     # Half a token later, one token is owed for at most 5 ms.
     assert denied.value.retry_after == pytest.approx(0.005)
-    assert limiter.get_value("fast", config=FAST) == 0
-    status, slept = timed(acquire, "fast", count=1, timeout=0.01, config=FAST)
+    assert limiter.get_value("acquire-fast", config=FAST) == 0
+    status, slept = timed(acquire, "acquire-fast", count=1, timeout=0.01, config=FAST)
     assert status.ok and 0.01 <= slept < 0.01 + SLACK
-    assert limiter.get_value("fast", config=FAST) == -1
+    assert limiter.get_value("acquire-fast", config=FAST) == -1
 
 
 def test_max_reserved_bounds_the_wait_too(acquire, clock):
     capped = {**FAST, "max_reserved": 2}
-    limiter.limit("capped", config=capped, count=100)
+    limiter.limit("acquire-capped", config=capped, count=100)
     with pytest.raises(RateLimited):
-        acquire("capped", count=3, config=capped)
-    assert limiter.get_value("capped", config=capped) == 0
+        acquire("acquire-capped", count=3, config=capped)
+    assert limiter.get_value("acquire-capped", config=capped) == 0
 
 
 def test_a_fixed_window_waits_for_the_window_that_pays(acquire, clock):
     window = {"kind": "fixed window", "rate": 10, "period": 0.1, "start": 0}
-    limiter.limit("window", config=window, count=10)
+    limiter.limit("acquire-window", config=window, count=10)
     clock.advance(0.04)  # 60 ms before the next window opens
-    status, slept = timed(acquire, "window", count=3, timeout=0.1, config=window)
+    status, slept = timed(acquire, "acquire-window", count=3, timeout=0.1, config=window)
     assert status.ok and status.retry_after == pytest.approx(0.06) and 0.06 <= slept < 0.06 + SLACK
     # A wait is counted from the start of the current window: 0.1 s covers one window.
     with pytest.raises(RateLimited):
-        acquire("window", count=10, timeout=0.1, config=window)
+        acquire("acquire-window", count=10, timeout=0.1, config=window)
 
 
 def test_a_shadow_limit_never_waits(acquire, clock):
     shadow = {**FAST, "shadow": True}
-    limiter.limit("shadowed", config=shadow, count=100)
-    status, slept = timed(acquire, "shadowed", count=50, config=shadow)
+    limiter.limit("acquire-shadowed", config=shadow, count=100)
+    status, slept = timed(acquire, "acquire-shadowed", count=50, config=shadow)
     assert status.ok and status.would_deny is False and slept < SLACK
 
 
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        ({"count": 106, "timeout": 0.05}, r"rate limit 'fast': count 106 cannot be acquired within timeout 0.05"),
-        ({"count": 1, "timeout": -1}, r"rate limit 'fast': timeout must not be negative"),
-        ({"count": 1, "timeout": "soon"}, r"rate limit 'fast': timeout must be a number"),
-        ({"count": 1, "timeout": True}, r"rate limit 'fast': timeout must be a number"),
-        ({"count": 0}, r"rate limit 'fast'"),
+        ({"count": 106, "timeout": 0.05}, r"rate limit 'acquire-fast': count 106 cannot be acquired within timeout 0.05"),
+        ({"count": 1, "timeout": -1}, r"rate limit 'acquire-fast': timeout must not be negative"),
+        ({"count": 1, "timeout": "soon"}, r"rate limit 'acquire-fast': timeout must be a number"),
+        ({"count": 1, "timeout": True}, r"rate limit 'acquire-fast': timeout must be a number"),
+        ({"count": 0}, r"rate limit 'acquire-fast'"),
     ],
 )
 def test_bad_arguments_are_errors_naming_the_limit_and_take_nothing(acquire, clock, arguments, message):
-    limiter.limit("fast", config=FAST, count=10)
+    limiter.limit("acquire-fast", config=FAST, count=10)
     with pytest.raises(ValueError, match=message):
-        acquire("fast", config=FAST, **arguments)
-    assert limiter.get_value("fast", config=FAST) == 90
+        acquire("acquire-fast", config=FAST, **arguments)
+    assert limiter.get_value("acquire-fast", config=FAST) == 90
 
 
 def test_concurrent_acquirers_are_served_in_the_order_they_reserved(backend, clock):
-    limiter.limit("fast", config=FAST, count=100)
+    limiter.limit("acquire-fast", config=FAST, count=100)
     finished: list[float] = []
     lock = threading.Lock()
 
     def one() -> None:
         try:
-            status = limiter.acquire("fast", count=1, config=FAST)
+            status = limiter.acquire("acquire-fast", count=1, config=FAST)
             with lock:
                 finished.append(status.retry_after)
         finally:
@@ -160,11 +160,11 @@ def test_async_acquirers_share_the_loop_and_are_served_in_order(backend, clock):
     # Ten a second: the four wait 0.1, 0.2, 0.3 and 0.4 s. Sleeping side by side on the
     # loop they are all done after 0.4 s; one blocking sleep after another would take 1 s.
     slow = {"rate": 10, "period": 1}
-    limiter.limit("slow", config=slow, count=10)
+    limiter.limit("acquire-slow", config=slow, count=10)
     finished: list[float] = []
 
     async def one() -> None:
-        status = await limiter.aacquire("slow", count=1, config=slow)
+        status = await limiter.aacquire("acquire-slow", count=1, config=slow)
         finished.append(status.retry_after)
 
     async def main() -> None:
