@@ -11,7 +11,7 @@ from typing import Any, TypeVar, Union
 
 from django.core.exceptions import ImproperlyConfigured
 
-from . import registry, signals
+from . import metrics, registry, signals
 from .algorithms import MICRO, Decision
 from .backends import get_backend
 from .backends.base import BackendError, BaseBackend, Outcome, Request
@@ -501,11 +501,16 @@ class Limiter:
         self, limit: LimitConfig, key: object, count: int | float, reserve: bool, *, apply: bool, throws: bool
     ) -> Status:
         request = self._one_request(limit, key, count, reserve)
+        recorder = metrics.active()
+        started = time.perf_counter() if recorder is not None else 0.0
         try:
             outcome: Outcome | None = self.backend(limit).decide([request], apply=apply)
         except BackendError as exc:
             self._store_failed(_Decide(limit, [request], apply=apply), exc)
             outcome = None
+        finally:
+            if recorder is not None:
+                recorder.store_seconds(self._store_label(limit), time.perf_counter() - started)
         return self._one_status(limit, key, count, request.count, outcome, apply=apply, throws=throws)
 
     def _resolve_one(self, name: str, reserve: bool, config: ConfigSpec | LimitConfig | None) -> LimitConfig:
@@ -534,7 +539,7 @@ class Limiter:
         else:
             status = self._status(limit, key, micro, outcome.decisions[0], outcome.now)
         if apply:
-            self._report_one(status, status.ok)
+            self._report_one(status, status.ok, limit)
         if throws and not status.ok:
             raise RateLimited(status.name, status.key, status.retry_after, status)
         return status
@@ -584,7 +589,7 @@ class Limiter:
                 statuses[i] = self._status(limits[i], items[i].key, requests[i].count, decision, outcome.now)
         result = MultiStatus([status for status in statuses if status is not None])
         if apply:
-            self._report(result)
+            self._report(result, limits)
         if throws and not result.ok:
             denied = result.denied[0]
             raise RateLimited(denied.name, denied.key, result.retry_after, denied)
@@ -617,15 +622,18 @@ class Limiter:
             untouched[i] = sum(value for index, value in values.items() if index not in dict(plan))
         return parts, untouched
 
-    @classmethod
-    def _report(cls, result: MultiStatus) -> None:
+    def _report(self, result: MultiStatus, limits: Sequence[LimitConfig]) -> None:
         all_ok = result.ok
-        for status in result:
-            cls._report_one(status, all_ok)
+        for status, limit in zip(result, limits):
+            self._report_one(status, all_ok, limit)
 
-    @staticmethod
-    def _report_one(status: Status, all_ok: bool) -> None:
-        """Log and signal one status of a call whose statuses are all ok when ``all_ok``."""
+    def _report_one(self, status: Status, all_ok: bool, limit: LimitConfig) -> None:
+        """Count, log and signal one status of a call whose statuses are all ok when ``all_ok``."""
+        recorder = metrics.active()
+        if recorder is not None:
+            outcome = _outcome(status, all_ok)
+            if outcome is not None:
+                recorder.decision(status.name, self._store_label(limit), outcome)
         if status.ok and not status.would_deny:
             # A call denied by another of its limits consumed nothing here either:
             # there is no allowance to report (all-or-nothing).
@@ -659,6 +667,8 @@ class Limiter:
             step = next(steps)
             while True:
                 backend = self.backend(step.limit)
+                recorder = metrics.active()
+                started = time.perf_counter() if recorder is not None else 0.0
                 try:
                     if isinstance(step, _Decide):
                         answer: Any = backend.decide(step.requests, apply=step.apply)
@@ -670,6 +680,9 @@ class Limiter:
                 except BackendError as exc:
                     self._store_failed(step, exc)
                     answer = None
+                finally:
+                    if recorder is not None and isinstance(step, _Decide):
+                        recorder.store_seconds(self._store_label(step.limit), time.perf_counter() - started)
                 step = steps.send(answer)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
@@ -680,6 +693,8 @@ class Limiter:
             step = next(steps)
             while True:
                 backend = self.backend(step.limit)
+                recorder = metrics.active()
+                started = time.perf_counter() if recorder is not None else 0.0
                 try:
                     if isinstance(step, _Decide):
                         answer: Any = await backend.adecide(step.requests, apply=step.apply)
@@ -691,6 +706,9 @@ class Limiter:
                 except BackendError as exc:
                     self._store_failed(step, exc)
                     answer = None
+                finally:
+                    if recorder is not None and isinstance(step, _Decide):
+                        recorder.store_seconds(self._store_label(step.limit), time.perf_counter() - started)
                 step = steps.send(answer)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
@@ -698,6 +716,9 @@ class Limiter:
     def _store_failed(self, step: _Step, exc: BackendError) -> None:
         """Apply the fail mode to a failed step: return to let it through, or raise BackendUnavailable."""
         limit = step.limit
+        recorder = metrics.active()
+        if recorder is not None:
+            recorder.store_error(self._store_label(limit), metrics.error_label(exc))
         if not isinstance(step, _Decide):
             what = "reset" if isinstance(step, _Reset) else "refund"
             throttled_logger.warning(limit.name, "rate limit %r: %s failed: %s", limit.name, what, exc)
@@ -733,7 +754,14 @@ class Limiter:
             requests[0].key.digest[:12],
             exc,
         )
+        if recorder is not None and step.apply:
+            for name in dict.fromkeys(r.config.name for r in requests):
+                recorder.decision(name, self._store_label(limit), metrics.FAILED_CLOSED)
         raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
+
+    def _store_label(self, limit: LimitConfig) -> str:
+        """The ``backend`` label of ``limit``'s figures: its alias, or the class of this limiter's own backend."""
+        return limit.backend if self._own_backend is None else type(self._own_backend).__name__
 
     @staticmethod
     def _status(limit: LimitConfig, key: object, count: int, decision: Decision, now: int) -> Status:
@@ -771,6 +799,18 @@ class Limiter:
             failed_open=True,
             shadow=limit.shadow,
         )
+
+
+def _outcome(status: Status, all_ok: bool) -> str | None:
+    """A reported status as a metric's ``outcome``; None for a limit that another
+    limit of its all-or-nothing call refused (it took nothing)."""
+    if status.failed_open:
+        return metrics.FAILED_OPEN
+    if status.would_deny:
+        return metrics.SHADOW_DENIED
+    if not status.ok:
+        return metrics.DENIED
+    return metrics.ALLOWED if all_ok else None
 
 
 def _wait_for(limit: LimitConfig, status: Status) -> float:

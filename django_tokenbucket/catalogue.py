@@ -116,6 +116,12 @@ E024 = Check(
     "E024",
     "TOKENBUCKET['LOG_INTERVAL'] must be a number of seconds >= 0 (0 logs every store failure), not {value!r}.",
 )
+E050 = Check(
+    "E050",
+    "TOKENBUCKET['METRICS'] {problem}.",
+    "None (off), 'prometheus' (pip install 'dj-tokenbucket[prometheus]') or 'opentelemetry' "
+    "(pip install 'dj-tokenbucket[opentelemetry]').",
+)
 W002 = Check("W002", "TOKENBUCKET has unknown setting(s): {names}.", "Known settings: {known}.")
 W003 = Check(
     "W003",

@@ -16,6 +16,7 @@ from .backends import backend_class
 from .decorators import declared_limits, declared_stacks
 from .ip import ip_settings_problems
 from .limits import DEFAULT_BACKEND_ALIAS, parse_limit
+from .metrics import metrics_problem
 from .settings import DEFAULT_BACKEND, DEFAULTS, OptionsNotADict, parse_backends
 
 __all__ = ["check_backends", "check_settings"]
@@ -79,10 +80,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
 
 
 def _check_operations(user: dict[str, Any]) -> list[checks.CheckMessage]:
-    """Check RESPONSE and LOG_INTERVAL, which are otherwise read only when needed.
+    """Check RESPONSE, LOG_INTERVAL and METRICS, which are otherwise read only when needed.
 
-    A bad RESPONSE would fail at the first 429; a bad LOG_INTERVAL would quietly become
-    the default. (``CELERY`` is the Celery integration's: ``celery.checks``.)
+    A bad RESPONSE would fail at the first 429, a bad METRICS at the first decision; a
+    bad LOG_INTERVAL would quietly become the default. (``CELERY`` is the Celery integration's: ``celery.checks``.)
     """
     errors: list[checks.CheckMessage] = []
     response = user.get("RESPONSE", DEFAULTS["RESPONSE"])
@@ -99,6 +100,9 @@ def _check_operations(user: dict[str, Any]) -> list[checks.CheckMessage]:
     interval = user.get("LOG_INTERVAL", DEFAULTS["LOG_INTERVAL"])
     if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval < math.inf:
         errors.append(catalogue.E024(value=interval))
+    metrics = metrics_problem(user.get("METRICS", DEFAULTS["METRICS"]))
+    if metrics is not None:
+        errors.append(catalogue.E050(problem=metrics))
     return errors
 
 

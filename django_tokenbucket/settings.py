@@ -49,6 +49,8 @@ DEFAULTS: dict[str, Any] = {
     "LOG_INTERVAL": 10,
     # Scheduled reserved work (see django_tokenbucket.celery.CELERY_DEFAULTS).
     "CELERY": {},
+    # None, "prometheus" or "opentelemetry" (see django_tokenbucket.metrics).
+    "METRICS": None,
 }
 
 

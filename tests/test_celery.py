@@ -866,3 +866,37 @@ def test_worker_on_rabbitmq(tables, workdir, rabbitmq):
             "p99": round(percentile(lateness, 0.99) * 1000, 1),
         },
     )
+
+
+def test_reservation_events_are_counted_in_the_metrics(tables, sent):
+    from prometheus_client import REGISTRY
+
+    def events() -> dict[str, float]:
+        return {
+            event: REGISTRY.get_sample_value("tokenbucket_reservations_total", {"event": event}) or 0.0
+            for event in ("scheduled", "ran", "refunded", "cancelled", "expired")
+        }
+
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, "METRICS": "prometheus"}):
+        before = events()
+        used = schedule(record_effect.s("llm", refund=1), "hourly", "k", config=HOURLY, count=2).reservation
+        run_now(used)
+        cancelled = schedule(record_effect.s("never"), "hourly", "k", config=HOURLY).reservation
+        cancel(cancelled)
+        failing = schedule(record_effect.s("boom", fail=True), "hourly", "k", config=HOURLY, refund_on_failure=True)
+        run_now(failing.reservation)
+        stale = schedule(record_effect.s("stale"), "hourly", "k", config=HOURLY).reservation
+        Reservation.objects.filter(pk=stale.pk).update(eta=timezone.now() - timedelta(days=2))
+        sweep()
+        # Rolled back: never scheduled.
+        with transaction.atomic():
+            schedule(record_effect.s("rolled back"), "hourly", "k", config=HOURLY)
+            transaction.set_rollback(True)
+        after = events()
+    assert {event: after[event] - before[event] for event in after} == {
+        "scheduled": 4,
+        "ran": 2,
+        "refunded": 2,
+        "cancelled": 1,
+        "expired": 1,
+    }

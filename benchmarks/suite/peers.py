@@ -507,6 +507,57 @@ def key_scale(where: dict[str, harness.Worker], rows: int, seconds: float, round
     return {"small": small, "large": large, "load_seconds": round(load_seconds, 1)}
 
 
+# --------------------------------------------------------------------------- metrics cost
+
+
+def metrics_cost(rounds: int, calls: int) -> dict[str, Any]:
+    """What ``TOKENBUCKET["METRICS"]`` adds to a decision, measured in this process.
+
+    ``limiter.limit()`` on a backend that decides in memory (``decide_all`` on a dict),
+    so that the store's time, and its noise, is out of the figure: metrics off and on in
+    alternate batches of ``calls``, ``rounds`` times; the cost is the difference of the
+    per-call medians.
+    """
+    import statistics
+
+    from django.conf import settings
+    from django.test import override_settings
+
+    from django_tokenbucket.api import Limiter
+    from django_tokenbucket.backends.base import BaseBackend, Outcome, decide_all, row_id
+
+    class InMemory(BaseBackend):
+        def __init__(self) -> None:
+            super().__init__({})
+            self.states: dict[Any, Any] = {}
+            self.now = 1_700_000_000_000_000
+
+        def decide(self, requests: Any, *, apply: bool) -> Outcome:
+            self.now += 1000
+            states = {row_id(r): self.states.get(row_id(r)) for r in requests}
+            decisions, writes = decide_all(requests, states, self.now)
+            if apply:
+                self.states.update(writes)
+            return Outcome(decisions, self.now)
+
+        def reset(self, config: Any, key: Any) -> None:
+            self.states.pop((config.name, key.digest), None)
+
+    memory = Limiter(InMemory())
+    settings_now = settings.TOKENBUCKET
+    per_call: dict[str, list[float]] = {"off": [], "prometheus": []}
+    for _ in range(rounds):
+        for mode in per_call:
+            with override_settings(TOKENBUCKET={**settings_now, "METRICS": None if mode == "off" else mode}):
+                memory.limit("bench", "warm")
+                started = time.perf_counter()
+                for i in range(calls):
+                    memory.limit("bench", i & 1023)
+                per_call[mode].append((time.perf_counter() - started) / calls * 1e6)
+    off, on = statistics.median(per_call["off"]), statistics.median(per_call["prometheus"])
+    return {"off_us": round(off, 2), "prometheus_us": round(on, 2), "added_us": round(on - off, 2)}
+
+
 # --------------------------------------------------------------------------- targets
 
 
@@ -615,6 +666,16 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             ratio(mp(redis), mp("limits fixed window")),
             0.8,
             "higher",
+        )
+    )
+    cost = result.get("metrics_cost")
+    rows.append(
+        row(
+            "metrics",
+            '`METRICS = "prometheus"` adds ≤ 2 µs per decision (µs)',
+            cost["added_us"] if cost else None,
+            2.0,
+            "lower",
         )
     )
     ours = [name for name, meta in result["adapters"].items() if meta["family"] == "ours" and name in many]
@@ -781,6 +842,9 @@ def main() -> None:
                 memory |= worker.call("memory", "memory")
             memory = {name: memory[name] for name in adapters if name in memory}
 
+            print("metrics cost, in memory ...", flush=True)
+            cost = metrics_cost(rounds * 2, 2000 if args.quick else 20000)
+
         print(f"{args.processes} processes on a hot key: {mp_rounds} rounds × {mp_seconds} s ...", flush=True)
         many = harness.many_processes(SETTINGS, FACTORY, "bench", adapters, args.processes, mp_rounds, mp_seconds)
         result: dict[str, Any] = {
@@ -806,6 +870,7 @@ def main() -> None:
             "scale": scale,
             "memory": memory,
             "profiles": profiles,
+            "metrics_cost": cost,
         }
         result["targets"] = targets(result)
     finish(result, print_report, started, load_before, args.json)

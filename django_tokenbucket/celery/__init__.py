@@ -49,6 +49,7 @@ from ..api import ConfigSpec, limiter
 from ..exceptions import RateLimited
 from ..keys import EncodedKey
 from ..limits import LimitConfig
+from ..metrics import count_reservations
 from ..settings import tokenbucket_settings
 from ..status import Status, ambiguous_truth
 from . import reservations
@@ -238,6 +239,7 @@ def schedule(
                 reservations.after_commit(alias, publish)
         else:
             reservations.after_commit(alias, publish, lambda: _undo_reservation(limit, encoded, reserved))
+        reservations.count_on_commit(alias, "scheduled")
     return Scheduled(status, reservation)
 
 
@@ -329,6 +331,7 @@ def _publish_after_commit(pk: Any, eta: datetime, options: Mapping[str, Any], al
 
 @contextmanager
 def _running(reservation: Reservation) -> Iterator[None]:
+    count_reservations("ran")
     token = _current.set(reservation)
     try:
         yield
@@ -434,6 +437,8 @@ def _failed(pk: Any, alias: str, exc: BaseException) -> None:
                 row.refunded, row.refunded_at = row.count, row.finished_at
                 names += ["refunded", "refunded_at"]
             row.save(update_fields=names)
+            if "refunded" in names:
+                reservations.count_on_commit(alias, "refunded")
     except Exception:
         logger.warning("reservation %s: could not record its failure", pk, exc_info=True)
 
@@ -490,6 +495,8 @@ def sweep(now: datetime | None = None) -> SweepReport:
         status="expired",
         finished_at=now,
     )
+
+    count_reservations("expired", report.expired)
 
     horizon = now + timedelta(seconds=max_eta())
     report.published, errors = _publish_batches(

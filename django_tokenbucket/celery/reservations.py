@@ -23,6 +23,7 @@ from django.apps import apps
 from django.db import router, transaction
 from django.utils import timezone
 
+from .. import metrics
 from ..api import limiter
 from ..exceptions import BackendUnavailable
 from ..keys import EncodedKey
@@ -176,6 +177,7 @@ def cancel(reservation: ReservationRef) -> bool:
             row.refunded, row.refunded_at = row.count, now
         names = ["status", "finished_at", "refunded", "refunded_at"]
         row.save(update_fields=names)
+        count_on_commit(alias, "cancelled")
     _copy_back(row, reservation, names)
     return True
 
@@ -208,6 +210,7 @@ def refund(reservation: ReservationRef, count: int | float) -> bool:
         row.refunded, row.refunded_at = amount, timezone.now()
         names = ["refunded", "refunded_at"]
         row.save(update_fields=names)
+        count_on_commit(alias, "refunded")
     _copy_back(row, reservation, names)
     return True
 
@@ -238,6 +241,13 @@ def _rolled_back(state: dict[str, bool], on_rollback: Callable[[], None]) -> Non
             on_rollback()
         except Exception:  # a finalizer must not raise; the tokens refill on their own
             logger.warning("could not undo the reservation of a rolled-back transaction", exc_info=True)
+
+
+def count_on_commit(alias: str, event: str) -> None:
+    """Count a reservation ``event`` once the transaction on ``alias`` commits (metrics on only:
+    with them off, no callback is added to the transaction)."""
+    if metrics.active() is not None:
+        after_commit(alias, lambda: metrics.count_reservations(event))
 
 
 def after_commit(alias: str, on_commit: Callable[[], None], on_rollback: Callable[[], None] | None = None) -> None:

@@ -1,0 +1,279 @@
+"""What the limiter does, as metrics for Prometheus or OpenTelemetry (``TOKENBUCKET["METRICS"]``).
+
+Off (``None``) by default. ``"prometheus"`` registers in ``prometheus_client``'s default
+registry, which django-prometheus' ``/metrics`` view and ``prometheus_client``'s own
+exporters serve; ``"opentelemetry"`` makes the same instruments with the application's
+meter provider (``opentelemetry.metrics``):
+
+========================================  ===================================  ==========================
+Prometheus                                OpenTelemetry                        labels / attributes
+========================================  ===================================  ==========================
+``tokenbucket_decisions_total``           ``tokenbucket.decisions``            limit, backend, outcome
+``tokenbucket_store_errors_total``        ``tokenbucket.store_errors``         backend, error
+``tokenbucket_decision_seconds``          ``tokenbucket.decision.duration``    backend
+``tokenbucket_reservations_total``        ``tokenbucket.reservations``         event
+========================================  ===================================  ==========================
+
+A decision's ``outcome`` is one of ``OUTCOMES``; a reservation's ``event`` one of
+``RESERVATION_EVENTS``. Labels hold limit names, backend aliases and exception class
+names, never a key: a key is what an attacker chooses, and each new label value is a
+new time series kept for the life of the process. Limit names come from code, but an
+inline name built at run time could be many, so past ``MAX_LIMIT_LABELS`` distinct
+names the rest are counted as ``"other"``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from .settings import tokenbucket_settings
+
+# Optional: each is needed only by the recorder of its name (``manage.py check``: E050).
+try:
+    import prometheus_client
+except ImportError:  # pragma: no cover - depends on the installation
+    prometheus_client = None  # type: ignore[assignment]
+try:
+    from opentelemetry import metrics as opentelemetry_metrics
+except ImportError:  # pragma: no cover - depends on the installation
+    opentelemetry_metrics = None  # type: ignore[assignment]
+
+__all__ = [
+    "KINDS",
+    "MAX_LIMIT_LABELS",
+    "OUTCOMES",
+    "RESERVATION_EVENTS",
+    "Recorder",
+    "active",
+    "count_reservations",
+    "error_label",
+    "metrics_problem",
+]
+
+#: The values ``TOKENBUCKET["METRICS"]`` takes, and the package each one needs.
+KINDS = {"prometheus": "prometheus_client", "opentelemetry": "opentelemetry"}
+
+ALLOWED = "allowed"
+DENIED = "denied"
+SHADOW_DENIED = "shadow_denied"
+FAILED_OPEN = "failed_open"
+FAILED_CLOSED = "failed_closed"
+#: Every ``outcome`` of a decision that was applied: allowed (every limit of the call
+#: let it through), denied (this limit refused it), shadow_denied (a shadow limit would
+#: have), failed_open and failed_closed (the store failed, and ``FAIL_OPEN`` said so). A
+#: limit of an all-or-nothing call that another limit refused took nothing and is not
+#: counted.
+OUTCOMES = (ALLOWED, DENIED, SHADOW_DENIED, FAILED_OPEN, FAILED_CLOSED)
+#: Every ``event`` of a scheduled reservation (``django_tokenbucket.celery``): made
+#: (counted when its transaction commits), its work started, tokens given back (by
+#: ``refund()`` or ``refund_on_failure``), cancelled before it ran, given up by the sweeper.
+RESERVATION_EVENTS = ("scheduled", "ran", "refunded", "cancelled", "expired")
+
+#: Distinct limit names given a label of their own; the rest are ``"other"``.
+MAX_LIMIT_LABELS = 1000
+OTHER = "other"
+
+#: Seconds: from a fast Redis decision (~0.1 ms) to a store at its TIMEOUT.
+BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Recorder(Protocol):
+    """Where the limiter's figures go; ``active()`` returns the configured one."""
+
+    def decision(self, limit: str, backend: str, outcome: str) -> None: ...
+
+    def store_error(self, backend: str, error: str) -> None: ...
+
+    def store_seconds(self, backend: str, seconds: float) -> None: ...
+
+    def reservation(self, event: str, count: int = 1) -> None: ...
+
+
+class _LimitLabels:
+    """Limit names as labels: each name itself, up to a bound, then ``"other"``."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, name: str) -> str:
+        if name in self._seen:
+            return name
+        with self._lock:
+            if len(self._seen) >= MAX_LIMIT_LABELS:
+                return OTHER
+            self._seen.add(name)
+        return name
+
+
+class _Labelled:
+    """A Prometheus metric's labelled children, kept: ``labels()`` costs more than the increment."""
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *labels: str) -> Any:
+        child = self._children.get(labels)
+        if child is None:
+            child = self._children[labels] = self._metric.labels(*labels)
+        return child
+
+
+class PrometheusRecorder:
+    """Counters and a histogram in ``prometheus_client``'s default registry.
+
+    Made once per process (the registry refuses a second metric of the same name). In
+    a multiprocess server (Gunicorn, uWSGI), set ``PROMETHEUS_MULTIPROC_DIR`` before the
+    workers start: each then writes its own file, and
+    ``prometheus_client.multiprocess.MultiProcessCollector`` sums them (docs/operations.md).
+    """
+
+    def __init__(self) -> None:
+        Counter, Histogram = prometheus_client.Counter, prometheus_client.Histogram
+        decisions = Counter(
+            "tokenbucket_decisions", "Rate-limit decisions applied, by outcome.", ["limit", "backend", "outcome"]
+        )
+        self._decisions = _Labelled(decisions)
+        errors = Counter("tokenbucket_store_errors", "Rate-limit store failures.", ["backend", "error"])
+        self._errors = _Labelled(errors)
+        self._seconds = _Labelled(
+            Histogram(
+                "tokenbucket_decision_seconds",
+                "Time spent in the rate-limit store per decision.",
+                ["backend"],
+                buckets=BUCKETS,
+            )
+        )
+        self._reservations = _Labelled(
+            Counter("tokenbucket_reservations", "Scheduled reservations, by event.", ["event"])
+        )
+        self._limit_label = _LimitLabels()
+        self._decision_children: dict[tuple[str, str, str], Any] = {}
+
+    def decision(self, limit: str, backend: str, outcome: str) -> None:
+        # On every decision: one dict lookup by the names as given, the label rule only
+        # for a combination not seen before.
+        child = self._decision_children.get((limit, backend, outcome))
+        if child is None:
+            label = self._limit_label(limit)
+            child = self._decisions(label, backend, outcome)
+            if label == limit:  # names past the bound are not kept, however many come
+                self._decision_children[(limit, backend, outcome)] = child
+        child.inc()
+
+    def store_error(self, backend: str, error: str) -> None:
+        self._errors(backend, error).inc()
+
+    def store_seconds(self, backend: str, seconds: float) -> None:
+        self._seconds(backend).observe(seconds)
+
+    def reservation(self, event: str, count: int = 1) -> None:
+        self._reservations(event).inc(count)
+
+
+class OpenTelemetryRecorder:
+    """The same instruments from the application's meter provider (``opentelemetry-api``).
+
+    Without a provider configured, the API's no-op meter records nothing; one set later
+    is picked up by the API's proxy meter.
+    """
+
+    def __init__(self) -> None:
+        meter = opentelemetry_metrics.get_meter("django_tokenbucket")
+        self._decisions = meter.create_counter(
+            "tokenbucket.decisions", unit="{decision}", description="Rate-limit decisions applied, by outcome."
+        )
+        self._errors = meter.create_counter(
+            "tokenbucket.store_errors", unit="{error}", description="Rate-limit store failures."
+        )
+        self._seconds = meter.create_histogram(
+            "tokenbucket.decision.duration", unit="s", description="Time spent in the rate-limit store per decision."
+        )
+        self._reservations = meter.create_counter(
+            "tokenbucket.reservations", unit="{reservation}", description="Scheduled reservations, by event."
+        )
+        self._limit_label = _LimitLabels()
+
+    def decision(self, limit: str, backend: str, outcome: str) -> None:
+        self._decisions.add(1, {"limit": self._limit_label(limit), "backend": backend, "outcome": outcome})
+
+    def store_error(self, backend: str, error: str) -> None:
+        self._errors.add(1, {"backend": backend, "error": error})
+
+    def store_seconds(self, backend: str, seconds: float) -> None:
+        self._seconds.record(seconds, {"backend": backend})
+
+    def reservation(self, event: str, count: int = 1) -> None:
+        self._reservations.add(count, {"event": event})
+
+
+#: One recorder of each kind per process: their instruments are registered once.
+_made: dict[str, Recorder] = {}
+_made_lock = threading.Lock()
+_active: Recorder | None = None
+_loaded = False
+
+
+def active() -> Recorder | None:
+    """Return the recorder ``TOKENBUCKET["METRICS"]`` asks for, or None when metrics are off.
+
+    Read once and again after the setting changes. An unknown value or a missing
+    package is reported by ``manage.py check`` (E050) and raises here.
+    """
+    if _loaded:
+        return _active
+    return _load()
+
+
+def _load() -> Recorder | None:
+    global _active, _loaded
+    kind = tokenbucket_settings.METRICS
+    recorder: Recorder | None = None
+    if kind is not None:
+        problem = metrics_problem(kind)
+        if problem is not None:
+            raise ImproperlyConfigured(f"TOKENBUCKET['METRICS'] {problem}")
+        with _made_lock:
+            if kind not in _made:
+                _made[kind] = PrometheusRecorder() if kind == "prometheus" else OpenTelemetryRecorder()
+            recorder = _made[kind]
+    _active, _loaded = recorder, True
+    return recorder
+
+
+def count_reservations(event: str, count: int = 1) -> None:
+    """Count ``count`` reservations reaching ``event`` (one of ``RESERVATION_EVENTS``), when metrics are on."""
+    recorder = active()
+    if recorder is not None and count:
+        recorder.reservation(event, count)
+
+
+def metrics_problem(kind: object) -> str | None:
+    """What is wrong with ``TOKENBUCKET["METRICS"] = kind``, or None (for the checks too)."""
+    if kind is None:
+        return None
+    if kind not in KINDS:
+        return f"must be None, 'prometheus' or 'opentelemetry', not {kind!r}"
+    installed = prometheus_client if kind == "prometheus" else opentelemetry_metrics
+    if installed is None:
+        return f"= {kind!r} needs {KINDS[kind]}: pip install 'dj-tokenbucket[{kind}]'"
+    return None
+
+
+def error_label(exc: BaseException) -> str:
+    """The ``error`` label of a store failure: the class of what the store raised."""
+    cause = exc.__cause__ or exc
+    return type(cause).__name__
+
+
+@receiver(setting_changed)
+def _forget(*, setting: str, **kwargs: Any) -> None:
+    global _loaded
+    if setting == "TOKENBUCKET":
+        _loaded = False
