@@ -20,16 +20,10 @@ from django.test import override_settings
 from django_tokenbucket import RateLimited, limiter
 from django_tokenbucket.testing import frozen_clock
 
-from .settings import DB as _TEST_DB
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
-DATABASE_BACKEND = "django_tokenbucket.backends.database.DatabaseBackend"
-BACKENDS = {
-    "database": {"BACKEND": DATABASE_BACKEND},
-    "redis": {"BACKEND": "django_tokenbucket.backends.redis.RedisBackend"},
-}
-if _TEST_DB == "postgres":
-    BACKENDS["database-portable"] = {"BACKEND": DATABASE_BACKEND, "OPTIONS": {"FAST_PATH": False}}
+# The conformance suite's stores: every backend, and on PostgreSQL its portable path too.
+from .test_conformance import BACKENDS
 
 #: A hundred tokens a second: a token every 10 ms.
 FAST = {"rate": 100, "period": 1}
