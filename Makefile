@@ -9,6 +9,9 @@
 # three). About 6 minutes on 2 cores.
 # `make bench-quick` (about 2 minutes) and `make bench-http` (the HTTP stack alone) print
 # their figures and leave the docs alone.
+# `make bench-tasks` (about 2 minutes) runs benchmarks/suite/tasks.py: RateLimitedTask and
+# Celery's own rate_limit on 4 real workers, Redis broker, PostgreSQL; it rewrites its own
+# section of docs/benchmarks.md.
 # Knobs: BENCH_ARGS for peers.py, BENCH_HTTP_ARGS for http_stack.py. See docs/benchmarks.md.
 # The probes of benchmarks/probes/ are no part of it: each runs by hand (see its --help).
 
@@ -23,14 +26,14 @@ BENCH_RESULTS := benchmarks/results
 # Expanded once: every step of one `make bench` records the same run id.
 BENCH_RUN := $(shell date -u +%Y%m%dT%H%M%SZ)-$(shell echo $$$$)
 
-.PHONY: bench bench-http bench-quick bench-venv
+.PHONY: bench bench-http bench-quick bench-tasks bench-venv
 
 bench-venv: $(BENCH_STAMP)
 
-$(BENCH_STAMP): setup.cfg pyproject.toml
+$(BENCH_STAMP): setup.cfg pyproject.toml Makefile
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "Python 3.11+ is needed: make bench PYTHON=python3.11")'
 	$(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_PY) -m pip install --quiet -e '.[redis,drf,postgres,bench]'
+	$(BENCH_PY) -m pip install --quiet -e '.[redis,drf,postgres,celery,bench]'
 	touch $@
 
 bench: $(BENCH_STAMP)
@@ -38,6 +41,9 @@ bench: $(BENCH_STAMP)
 	$(BENCH_PY) $(BENCH_SUITE)/http_stack.py --run-id $(BENCH_RUN) --json $(BENCH_RESULTS)/http.json $(BENCH_HTTP_ARGS)
 	$(BENCH_PY) $(BENCH_SUITE)/report.py $(BENCH_RESULTS)/peers.json $(BENCH_RESULTS)/http.json \
 		--run-id $(BENCH_RUN) --docs docs/benchmarks.md
+
+bench-tasks: $(BENCH_STAMP)
+	$(BENCH_PY) $(BENCH_SUITE)/tasks.py --json $(BENCH_RESULTS)/tasks.json --docs docs/benchmarks.md
 
 bench-http: $(BENCH_STAMP)
 	$(BENCH_PY) $(BENCH_SUITE)/http_stack.py --json $(BENCH_RESULTS)/http-only.json $(BENCH_HTTP_ARGS)

@@ -166,6 +166,11 @@ W021 = Check(
 # -- the integrations: Celery, DRF, django-ratelimit ----------------------------------------
 
 E025 = Check("E025", "TOKENBUCKET['CELERY']{problem}.")
+E028 = Check(
+    "E028",
+    "Celery task {task!r}: {problem}",
+    "Fix the task's tokenbucket_limit (a limit of TOKENBUCKET['LIMITS']) or tokenbucket_count.",
+)
 E026 = Check(
     "E026",
     "{view}'s throttles take from limits stored on different backends ({where}); they are decided together, "

@@ -8,17 +8,24 @@ import os
 import time
 
 from celery import shared_task
-from celery.signals import task_prerun
+from celery.signals import task_postrun, task_prerun
 from django.db import connection
 
-from django_tokenbucket.celery import current_reservation
+from django_tokenbucket.celery import RateLimitedTask, current_reservation
 
 EFFECTS = "tbtest_celery_effect"
 DELIVERIES = "tbtest_celery_delivery"
+#: One row per run of a RateLimitedTask (``held``: what current_reservation() was) or
+#: of the plain task queued behind them, one per death on purpose ("died") and one per
+#: delivery of the dying test's message ("delivered").
+RUNS = "tbtest_celery_run"
 TABLES = {
     EFFECTS: "tag VARCHAR(100), reservation VARCHAR(64), started DOUBLE PRECISION, pid INTEGER",
     DELIVERIES: "reservation VARCHAR(64), at DOUBLE PRECISION, pid INTEGER",
+    RUNS: "tag VARCHAR(100), task_id VARCHAR(64), started DOUBLE PRECISION, pid INTEGER, held VARCHAR(32)",
 }
+#: The global limit of the RateLimitedTask tests (in tests/settings.py's LIMITS).
+TASKS_LIMIT = "celery_tasks"
 
 
 @shared_task(name="tests.record_effect")
@@ -52,3 +59,71 @@ def _count_delivery(sender=None, task_id=None, task=None, args=None, **kwargs):
             f"INSERT INTO {DELIVERIES} (reservation, at, pid) VALUES (%s, %s, %s)",
             [str(args[0]), time.time(), os.getpid()],
         )
+
+
+def _record_run(tag: str, task_id: str | None, started: float, held: str) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {RUNS} (tag, task_id, started, pid, held) VALUES (%s, %s, %s, %s, %s)",
+            [tag, task_id, started, os.getpid(), held],
+        )
+
+
+@shared_task(
+    bind=True,
+    base=RateLimitedTask,
+    name="tests.limited_effect",
+    tokenbucket_limit=TASKS_LIMIT,
+    tokenbucket_key=lambda tag, **kwargs: kwargs.get("tenant", "global"),
+    tokenbucket_count=lambda tag, **kwargs: kwargs.get("count", 1),
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def limited_effect(self, tag: str, *, tenant: str | None = "global", count: float = 1, refund: float | None = None) -> str:
+    """A task under one global limit: records its run, with the id it was delivered under."""
+    started = time.time()
+    held = current_reservation()
+    _record_run(tag, self.request.id, started, type(held).__name__)
+    if refund:
+        held.refund(refund)
+    return tag
+
+
+@shared_task(name="tests.plain_effect")
+def plain_effect(tag: str) -> str:
+    """A task with no limit, queued behind limited ones: it must not wait for them."""
+    _record_run(tag, None, time.time(), "plain")
+    return tag
+
+
+@task_postrun.connect
+def _die_after_deferring(sender=None, task_id=None, task=None, args=None, kwargs=None, state=None, **extra):
+    # The crash window of a deferral: committed and published, not yet acknowledged.
+    # The pool process dies once per tag (a row marks it), so the redelivery survives.
+    if task is None or task.name != "tests.limited_effect" or state != "IGNORED" or task.request.is_eager:
+        return
+    tag = (args or [""])[0]
+    if not tag.startswith("die-after-defer"):
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT COUNT(*) FROM {RUNS} WHERE tag = %s AND held = 'died'", [tag])
+        if cursor.fetchone()[0]:
+            return
+    _record_run(tag, task_id, time.time(), "died")
+    os._exit(1)
+
+
+@shared_task(name="tests.native_limited", rate_limit="10/s")
+def native_limited(tag: str) -> str:
+    """Celery's own rate_limit, for make bench-tasks to compare with: counted per worker."""
+    _record_run(tag, None, time.time(), "native")
+    return tag
+
+
+@task_prerun.connect
+def _count_limited_delivery(sender=None, task_id=None, task=None, args=None, **kwargs):
+    # Deliveries of the dying test's message, before anything of the task runs.
+    if task is None or task.name != "tests.limited_effect" or task.request.is_eager:
+        return
+    if (args or [""])[0].startswith("die-after-defer"):
+        _record_run(args[0], task_id, time.time(), "delivered")

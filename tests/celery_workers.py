@@ -57,6 +57,7 @@ class CeleryProcess:
         broker: str | None = None,
         sweep_every: float | None = None,
         queues: str = QUEUE,
+        wait: bool = True,
     ) -> None:
         self.arguments = {
             "kind": kind,
@@ -97,14 +98,15 @@ class CeleryProcess:
         self.process = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self._stderr, start_new_session=True
         )
-        self.wait_until_ready(kind)
+        if wait:
+            self.wait_until_ready(kind)
 
     def output(self) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         err = self.log.with_suffix(".err")
         return text + (err.read_text(errors="replace") if err.exists() else "")
 
-    def wait_until_ready(self, kind: str, timeout: float = 60) -> None:
+    def wait_until_ready(self, kind: str = "worker", timeout: float = 60) -> None:
         marker = " ready." if kind == "worker" else "beat: Starting"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -177,6 +177,8 @@ TOKENBUCKET = {
         "burst": {"kind": "token bucket", "rate": "10/m", "capacity": 20},
         "window": {"kind": "fixed window", "rate": 5, "period": 60, "start": 0},
         "reservable": {"kind": "token bucket", "rate": 10, "period": 10, "max_reserved": 20},
+        # tests/celery_tasks.py's RateLimitedTask (20 a second, one global budget).
+        "celery_tasks": {"kind": "token bucket", "rate": 20, "period": 1, "capacity": 5, "max_reserved": 1000},
         "login": "5/m",
         "login_ip": "3/m",  # the per-address half of a login limit (test_red_team.py)
     },

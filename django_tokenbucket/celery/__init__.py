@@ -53,13 +53,15 @@ from ..metrics import count_reservations
 from ..settings import tokenbucket_settings
 from ..status import Status, ambiguous_truth
 from . import reservations
-from .reservations import CELERY_DEFAULTS, WAITING, cancel, refund, reservation_model
+from .reservations import CELERY_DEFAULTS, WAITING, HeldTokens, cancel, refund, reservation_model
 
 if TYPE_CHECKING:
     from ..models import Reservation
 
 __all__ = [
     "CELERY_DEFAULTS",
+    "HeldTokens",
+    "RateLimitedTask",
     "Scheduled",
     "SweepReport",
     "cancel",
@@ -86,7 +88,7 @@ _FORBIDDEN_OPTIONS = frozenset(
     {"eta", "countdown", "expires", "task_id", "link", "link_error", "chord", "group_id", "parent_id", "root_id"}
 )
 
-_current: contextvars.ContextVar[Reservation | None] = contextvars.ContextVar(
+_current: contextvars.ContextVar[Reservation | HeldTokens | None] = contextvars.ContextVar(
     "django_tokenbucket_reservation", default=None
 )
 
@@ -147,11 +149,12 @@ class Scheduled(NamedTuple):
         raise ambiguous_truth("Scheduled")
 
 
-def current_reservation() -> Reservation | None:
+def current_reservation() -> Reservation | HeldTokens | None:
     """Return the reservation whose task is running in this context, or None.
 
     Inside a scheduled task: ``current_reservation().refund(unused)`` returns tokens
-    it did not need.
+    it did not need. In a ``RateLimitedTask`` that ran as soon as it was delivered, it
+    is the ``HeldTokens`` the task took, whose ``refund()`` works the same way.
     """
     return _current.get()
 
@@ -189,58 +192,90 @@ def schedule(
         raise ValueError(f"jitter must be a number of seconds >= 0, not {jitter!r}")
     limit = limiter.resolve(name, config)
     stored_signature = _dump_signature(sig)
-    options = _options(stored_signature)
     encoded = limiter.encode_for(limit, key)
-    alias = reservations.database_alias()
-    shared = reservations.shares_transaction(alias, limit)
-    cap = max_eta()
 
-    with transaction.atomic(using=alias):
+    with transaction.atomic(using=reservations.database_alias()):
         status = limiter.limit(name, key, count=count, reserve=True, config=config)
         if not status.ok:
             if throws:
                 raise RateLimited(name, key, status.retry_after, status)
             return Scheduled(status, None)
-        # A failed-open store or a shadow limit that would deny reserved nothing.
-        reserved = 0 if status.failed_open or status.would_deny else limit.validate_count(count, True)
-        now_us = clock.app_now() if status.timestamp is None else round(status.timestamp * MICRO)
-        wait_us = round(status.retry_after * MICRO) if reserved and status.retry_after else 0
-        jitter_us = round(random.uniform(0, jitter) * MICRO) if jitter else 0
-        eta = _EPOCH + timedelta(microseconds=now_us + wait_us + jitter_us)
-        held = (eta - timezone.now()).total_seconds() > cap
-        try:
-            reservation = reservation_model().objects.using(alias).create(
-                name=limit.name,
-                key=encoded.digest,
-                label=encoded.label,
-                limit=reservations.snapshot(limit, inline=config is not None),
-                count=reserved,
-                eta=eta,
-                status="scheduled" if held else "sent",
-                sent_at=None if held else timezone.now(),
-                publish_count=0 if held else 1,
-                task=sig.task,
-                signature=stored_signature,
-                atomic=atomic,
-                refund_on_failure=refund_on_failure,
-            )
-        except BaseException:
-            if not shared and reserved:
-                _undo_reservation(limit, encoded, reserved)
-            raise
-        pk = reservation.pk
-
-        def publish() -> None:
-            if not held:
-                _publish_after_commit(pk, eta, options, alias)
-
-        if shared or not reserved:
-            if not held:
-                reservations.after_commit(alias, publish)
-        else:
-            reservations.after_commit(alias, publish, lambda: _undo_reservation(limit, encoded, reserved))
-        reservations.count_on_commit(alias, "scheduled")
+        reservation = _record_reservation(
+            status,
+            limit,
+            encoded,
+            count,
+            stored_signature,
+            inline=config is not None,
+            atomic=atomic,
+            refund_on_failure=refund_on_failure,
+            jitter=jitter,
+        )
     return Scheduled(status, reservation)
+
+
+def _record_reservation(
+    status: Status,
+    limit: LimitConfig,
+    encoded: EncodedKey,
+    count: int | float,
+    stored_signature: dict[str, Any],
+    *,
+    inline: bool,
+    atomic: bool,
+    refund_on_failure: bool,
+    jitter: float = 0.0,
+    pk: Any = None,
+    tokens_committed: bool = False,
+) -> Reservation:
+    """Record the reservation that ``status`` allowed and publish its task once the
+    surrounding transaction commits. Called inside that transaction, right after the
+    decision: a rollback publishes nothing and returns the tokens (also when the
+    decision was ``tokens_committed`` in a transaction of its own)."""
+    alias = reservations.database_alias()
+    shared = not tokens_committed and reservations.shares_transaction(alias, limit)
+    # A failed-open store or a shadow limit that would deny reserved nothing.
+    reserved = 0 if status.failed_open or status.would_deny else limit.validate_count(count, True)
+    now_us = clock.app_now() if status.timestamp is None else round(status.timestamp * MICRO)
+    wait_us = round(status.retry_after * MICRO) if reserved and status.retry_after else 0
+    jitter_us = round(random.uniform(0, jitter) * MICRO) if jitter else 0
+    eta = _EPOCH + timedelta(microseconds=now_us + wait_us + jitter_us)
+    held = (eta - timezone.now()).total_seconds() > max_eta()
+    options = _options(stored_signature)
+    try:
+        reservation = reservation_model().objects.using(alias).create(
+            **({} if pk is None else {"pk": pk}),
+            name=limit.name,
+            key=encoded.digest,
+            label=encoded.label,
+            limit=reservations.snapshot(limit, inline=inline),
+            count=reserved,
+            eta=eta,
+            status="scheduled" if held else "sent",
+            sent_at=None if held else timezone.now(),
+            publish_count=0 if held else 1,
+            task=stored_signature["task"],
+            signature=stored_signature,
+            atomic=atomic,
+            refund_on_failure=refund_on_failure,
+        )
+    except BaseException:
+        if not shared and reserved:
+            _undo_reservation(limit, encoded, reserved)
+        raise
+    pk = reservation.pk
+
+    def publish() -> None:
+        if not held:
+            _publish_after_commit(pk, eta, options, alias)
+
+    if shared or not reserved:
+        if not held:
+            reservations.after_commit(alias, publish)
+    else:
+        reservations.after_commit(alias, publish, lambda: _undo_reservation(limit, encoded, reserved))
+    reservations.count_on_commit(alias, "scheduled")
+    return reservation
 
 
 def _undo_reservation(limit: LimitConfig, key: EncodedKey, amount: int) -> None:
@@ -560,3 +595,8 @@ def _publish_batches(alias: str, queryset: Any, batch: int, now: datetime) -> tu
             return sent, 1
         if len(rows) < batch:
             return sent, 0
+
+
+# Last: the task base builds on the scheduling above (a submodule may import its
+# package's names once they exist).
+from .task import RateLimitedTask  # noqa: E402

@@ -7,13 +7,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from celery import current_app
 from django.conf import settings
 from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
 
 from .. import catalogue
+from ..settings import tokenbucket_settings
 from .reservations import CELERY_DEFAULTS
+from .task import RateLimitedTask
 
-__all__ = ["check_celery_settings"]
+__all__ = ["check_celery_settings", "check_rate_limited_tasks"]
 
 
 @checks.register()
@@ -44,4 +48,27 @@ def _check_celery(given: object) -> list[checks.CheckMessage]:
             if name == "KEEP_FINISHED":
                 kind += " or None"
             errors.append(error(f"[{name!r}] must be {kind}, not {value!r}"))
+    return errors
+
+
+@checks.register()
+def check_rate_limited_tasks(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Check every ``RateLimitedTask`` the Celery app knows: its limit exists, and a fixed
+    count could ever be covered (otherwise each run would fail in a worker)."""
+    try:
+        tokenbucket_settings.limits()
+    except (ImproperlyConfigured, TypeError, ValueError):
+        return []  # the settings' own checks say what is wrong with them
+    errors: list[checks.CheckMessage] = []
+    for task in list(current_app.tasks.values()):
+        if not isinstance(task, RateLimitedTask):
+            continue
+        try:
+            limit = task.tokenbucket_config()
+            count = task.tokenbucket_count
+            if not callable(count):
+                limit.validate_count(count, True)
+        except (ImproperlyConfigured, ValueError) as exc:
+            problem = str(exc).removeprefix(f"task {task.name!r}: ")
+            errors.append(catalogue.E028(task=task.name, problem=problem))
     return errors

@@ -37,6 +37,7 @@ __all__ = [
     "CELERY_DEFAULTS",
     "STARTED",
     "WAITING",
+    "HeldTokens",
     "after_commit",
     "cancel",
     "database_alias",
@@ -213,6 +214,50 @@ def refund(reservation: ReservationRef, count: int | float) -> bool:
         count_on_commit(alias, "refunded")
     _copy_back(row, reservation, names)
     return True
+
+
+class HeldTokens:
+    """The tokens a ``RateLimitedTask`` took when it was delivered and ran at once.
+
+    What ``current_reservation()`` returns in such a run: there is no ``Reservation``
+    row (nothing was deferred), but unused tokens are given back the same way, at most
+    once, with ``refund()``.
+    """
+
+    pk = None
+
+    def __init__(self, limit: LimitConfig, key: EncodedKey, amount: int) -> None:
+        self.limit, self.key, self.count = limit, key, amount
+        self.refunded = 0
+
+    @property
+    def name(self) -> str:
+        return self.limit.name
+
+    @property
+    def tokens(self) -> float:
+        """Return the tokens the task took."""
+        return self.count / 1e6
+
+    def refund(self, count: int | float) -> bool:
+        """Give back ``count`` unused tokens; False when a refund was already made."""
+        try:
+            amount = count_to_micro(count)
+        except ValueError as exc:
+            raise ValueError(f"refund of a task's tokens for rate limit {self.name!r}: {exc}") from None
+        if self.refunded:
+            return False
+        if amount > self.count:
+            raise ValueError(
+                f"rate limit {self.name!r}: cannot refund {count!r} tokens of the {self.tokens:g} the task took"
+            )
+        limiter.refund_encoded(self.limit, self.key, amount, self.key.label)
+        self.refunded = amount
+        metrics.count_reservations("refunded")
+        return True
+
+    def __repr__(self) -> str:
+        return f"<HeldTokens {self.name!r} {self.tokens:g} tokens>"
 
 
 class _Pending:

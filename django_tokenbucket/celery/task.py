@@ -1,0 +1,229 @@
+"""``RateLimitedTask``: a Celery task base that holds every run of a task to one global rate.
+
+Celery's own ``rate_limit`` is counted in each worker; this one is the limit's, shared
+by every worker and every producer. A delivery first takes its tokens. When they are
+there, the task runs at once. When they are not, the tokens are reserved, the task is
+recorded as a ``Reservation`` and published again for the moment they exist, and the
+delivery ends: the worker slot is free at once, nothing sleeps and nothing retries in a
+loop. The deferral is keyed by the task's id, so a message delivered again after its
+worker died between deferring and acknowledging finds the deferral and does nothing
+more. See "Global task rate limits" in ``docs/celery.md``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from celery import Task
+from celery._state import _task_stack
+from celery.exceptions import Ignore
+from django.core.exceptions import ImproperlyConfigured
+from django.db import IntegrityError, transaction
+
+from ..api import limiter
+from ..limits import LimitConfig
+from . import _current, _dump_signature, _record_reservation, _send, reservations
+from .reservations import WAITING, HeldTokens, reservation_model
+
+__all__ = ["RateLimitedTask", "deferral_id"]
+
+logger = logging.getLogger("django_tokenbucket")
+
+#: Deferrals of tasks whose ids are not UUIDs get one derived from the id.
+_DEFERRAL_NAMESPACE = uuid.UUID("0e1f6a52-3c57-4bd2-9a44-7f3bb1a1e2a9")
+
+
+def deferral_id(task_id: str) -> uuid.UUID:
+    """Return the id of the reservation that defers the task ``task_id``.
+
+    The task's own id when it is a UUID (Celery's are), so that the deferred run, which is
+    published under its reservation's id, stores its result where ``AsyncResult`` looks.
+    """
+    try:
+        return uuid.UUID(task_id)
+    except (TypeError, ValueError, AttributeError):
+        return uuid.uuid5(_DEFERRAL_NAMESPACE, str(task_id))
+
+
+class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type information
+    """A Celery task base: each run first takes ``tokenbucket_count`` tokens of the limit
+    ``tokenbucket_limit`` for the key ``tokenbucket_key``; without them it is deferred.
+
+    Set the attributes as options of the task decorator::
+
+        @shared_task(base=RateLimitedTask, tokenbucket_limit="openai",
+                     tokenbucket_key=lambda *args, **kwargs: kwargs["tenant_id"],
+                     tokenbucket_count=lambda *args, **kwargs: kwargs["max_tokens"])
+        def complete(prompt, *, tenant_id, max_tokens): ...
+
+    ``tokenbucket_key`` and ``tokenbucket_count`` are values or callables of the task's
+    arguments. The default key (None) is the limit's one bucket; a callable that returns
+    None runs that call unlimited. Inside the task ``current_reservation().refund(n)``
+    gives back unused tokens. A deferred run happens once: with ``acks_late``, inside a
+    transaction that a worker dying mid-task rolls back, so it runs again, as Celery's
+    ``acks_late`` promises; without, at most once. A count that can never be covered
+    (above ``capacity + max_reserved``) fails the task with ValueError. Calling the task
+    as a function (``complete(...)``) runs it at once, unlimited, as Celery does; under
+    ``task_always_eager`` the caller waits for the tokens (``limiter.acquire``).
+    """
+
+    #: The name of the limit, in ``TOKENBUCKET["LIMITS"]``.
+    tokenbucket_limit: str | None = None
+    #: The key, or a callable of the task's arguments that returns it.
+    tokenbucket_key: Any = None
+    #: Tokens per run, or a callable of the task's arguments that returns them.
+    tokenbucket_count: int | float | Callable[..., int | float] = 1
+    #: Return the tokens of a run whose task raised.
+    tokenbucket_refund_on_failure: bool = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A direct call, or the deferred run itself (which calls the task directly,
+        # inside the reservation's bookkeeping): the tokens are not this call's to take.
+        if self.request.called_directly:
+            deferred = _current.get()
+            if isinstance(deferred, reservation_model()) and deferred.task == self.name:
+                return self._run_deferred(str(deferred.pk), args, kwargs)
+            return super().__call__(*args, **kwargs)
+        limit = self.tokenbucket_config()
+        key = self._argument("tokenbucket_key", args, kwargs)
+        if key is None and callable(_static(self, "tokenbucket_key")):
+            return super().__call__(*args, **kwargs)
+        count = self._argument("tokenbucket_count", args, kwargs)
+        try:
+            amount = limit.validate_count(count, True)
+        except ValueError as exc:
+            raise ValueError(f"task {self.name!r}: {exc}") from None
+        if self.request.is_eager:
+            status = limiter.acquire(limit.name, key, count)
+            return self._run_holding(status.failed_open or status.would_deny, limit, key, amount, args, kwargs)
+        return self._take_or_defer(limit, key, count, amount, args, kwargs)
+
+    def tokenbucket_config(self) -> LimitConfig:
+        """Return the parsed limit of this task, or raise ImproperlyConfigured naming the task."""
+        name = self.tokenbucket_limit
+        if not isinstance(name, str) or not name:
+            raise ImproperlyConfigured(
+                f"task {self.name!r}: a RateLimitedTask needs tokenbucket_limit, the name of a limit in "
+                f"TOKENBUCKET['LIMITS'], not {name!r}"
+            )
+        try:
+            return limiter.resolve(name)
+        except ImproperlyConfigured as exc:
+            raise ImproperlyConfigured(f"task {self.name!r}: {exc}") from None
+
+    def _argument(self, attribute: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        value = _static(self, attribute)
+        if not callable(value):
+            return value
+        try:
+            return value(*args, **kwargs)
+        except Exception as exc:
+            raise ValueError(f"task {self.name!r}: {attribute} raised {type(exc).__name__}: {exc}") from exc
+
+    def _take_or_defer(
+        self, limit: LimitConfig, key: Any, count: Any, amount: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        pk = deferral_id(self.request.id)
+        alias = reservations.database_alias()
+        objects = reservation_model().objects.using(alias)
+        if self._deferred_already(objects, pk, alias):
+            raise Ignore()
+        # The decision commits on its own, so that a hot limit's row (database backend)
+        # is locked for one statement, not for the deferral's writes too: a flood of
+        # deferrals then runs at the store's speed. A crash before the deferral is
+        # recorded leaves its tokens spent (the limit errs on the safe side) and the
+        # message, delivered again, defers once.
+        status = limiter.limit(limit.name, key, count=count, reserve=True)
+        if not status.ok:
+            # max_reserved is full: come back when a reservation would fit.
+            raise self.retry(countdown=status.retry_after, max_retries=sys.maxsize)
+        unspent = status.failed_open or status.would_deny
+        if unspent or not status.retry_after:
+            return self._run_holding(unspent, limit, key, amount, args, kwargs)
+        signature = _dump_signature(self.signature(args, kwargs, **self._same_route()))
+        try:
+            with transaction.atomic(using=alias):
+                _record_reservation(
+                    status,
+                    limit,
+                    limiter.encode_for(limit, key),
+                    count,
+                    signature,
+                    inline=False,
+                    atomic=bool(self.acks_late),
+                    refund_on_failure=self.tokenbucket_refund_on_failure,
+                    pk=pk,
+                    tokens_committed=True,
+                )
+        except IntegrityError:
+            # The same message, delivered twice at once: the other delivery deferred it
+            # (and this one's tokens went back with the rollback).
+            if objects.filter(pk=pk).exists():
+                raise Ignore() from None
+            raise
+        logger.debug("task %s deferred by %.3f s for rate limit %r", self.request.id, status.retry_after, limit.name)
+        raise Ignore()
+
+    def _deferred_already(self, objects: Any, pk: uuid.UUID, alias: str) -> bool:
+        """Return True when this message was deferred before (delivered again after its
+        worker died before acknowledging); make sure its run is in the broker."""
+        row = objects.filter(pk=pk).only("status", "eta", "signature").first()
+        if row is None:
+            return False
+        if row.status in WAITING:
+            options = dict(row.signature.get("options") or {})
+            # Sent again: the claim makes a second message harmless, and a lost one is found.
+            reservations.after_commit(alias, lambda: _send(row.pk, row.eta, options))
+        logger.info("task %s: delivered again after it was deferred (%s); nothing more to do", pk, row.status)
+        return True
+
+    def _same_route(self) -> dict[str, Any]:
+        """Return the publishing options that send the deferred run where this delivery came from."""
+        info = self.request.delivery_info or {}
+        exchange, routing_key = info.get("exchange"), info.get("routing_key")
+        options: dict[str, Any] = {}
+        if routing_key and not exchange:
+            # The default exchange routes by queue name, and Celery reads an empty
+            # exchange as "not given": name the queue instead.
+            options["queue"] = routing_key
+        elif routing_key:
+            options["exchange"], options["routing_key"] = exchange, routing_key
+        if info.get("priority") is not None:
+            options["priority"] = info["priority"]
+        return options
+
+    def _run_deferred(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # As Task.__call__, but with the request of the delivery that .delay() made: the
+        # task sees the id it was given (its reservation's), not a direct call's None.
+        _task_stack.push(self)
+        self.push_request(id=task_id, args=args, kwargs=kwargs, called_directly=False)
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            self.pop_request()
+            _task_stack.pop()
+
+    def _run_holding(
+        self, unspent: bool, limit: LimitConfig, key: Any, amount: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        held = None if unspent else HeldTokens(limit, limiter.encode_for(limit, key), amount)
+        token = _current.set(held)
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception:
+            if held is not None and self.tokenbucket_refund_on_failure and not held.refunded:
+                held.refund(held.tokens)
+            raise
+        finally:
+            _current.reset(token)
+
+
+def _static(task: Task, attribute: str) -> Any:
+    # A function set as a class attribute by the task decorator must not become a method.
+    value = inspect.getattr_static(task, attribute)
+    return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
