@@ -159,3 +159,26 @@ class CeleryProcess:
             pass
         self.process.wait(timeout=10)
         self._stderr.close()
+
+
+def publish_elsewhere(code: str, broker: str, queue: str) -> Any:
+    """Run ``code`` in a new process whose Celery app publishes to ``broker`` and ``queue``
+    (this process' app talks to Redis), and return the JSON its last line prints."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.celery_worker_settings",
+        "TOKENBUCKET_WORKER_DB_NAME": str(connection.settings_dict["NAME"]),
+        "TOKENBUCKET_WORKER_REDIS_PREFIX": "unused",
+        "TOKENBUCKET_CELERY_BROKER": broker,
+        "TOKENBUCKET_CELERY_QUEUE": queue,
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", "import django, tests.celery_app\ndjango.setup()\n" + code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -54,7 +54,7 @@ from django_tokenbucket.testing import frozen_clock
 from . import concurrency
 from .celery_app import KEY_PREFIX, QUEUE, app
 from .celery_tasks import DELIVERIES, EFFECTS, TABLES, record_effect
-from .celery_workers import CeleryProcess, broker_client, purge_broker
+from .celery_workers import CeleryProcess, broker_client, publish_elsewhere, purge_broker
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -796,8 +796,7 @@ def test_worker_with_the_redis_backend(tables, workdir, redis_store, worker):
 RABBITMQ = os.environ.get("TOKENBUCKET_CELERY_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
 
 _PUBLISH_ON_RABBITMQ = """
-import json, django
-django.setup()
+import json
 from tests.celery_tasks import record_effect
 from django_tokenbucket.celery import schedule
 config = {"rate": 4, "period": 1, "capacity": 1, "max_reserved": 20}
@@ -826,24 +825,7 @@ def test_worker_on_rabbitmq(tables, workdir, rabbitmq):
     # one's Celery app talks to Redis), run by a worker on RabbitMQ, once, never early.
     amqp_worker = CeleryProcess(workdir, broker=rabbitmq, queues=f"{QUEUE}-amqp")
     try:
-        env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "tests.celery_worker_settings",
-            "TOKENBUCKET_WORKER_DB_NAME": str(connection.settings_dict["NAME"]),
-            "TOKENBUCKET_WORKER_REDIS_PREFIX": "unused",
-            "TOKENBUCKET_CELERY_BROKER": rabbitmq,
-            "TOKENBUCKET_CELERY_QUEUE": f"{QUEUE}-amqp",
-        }
-        out = subprocess.run(
-            [sys.executable, "-c", "import tests.celery_app\n" + _PUBLISH_ON_RABBITMQ],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent.parent,
-            env=env,
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        scheduled = json.loads(out.stdout.strip().splitlines()[-1])
+        scheduled = publish_elsewhere(_PUBLISH_ON_RABBITMQ, rabbitmq, f"{QUEUE}-amqp")
         wait_for(lambda: len(effects()) >= len(scheduled), timeout=20, what="the RabbitMQ tasks")
         time.sleep(0.5)
     finally:

@@ -9,12 +9,8 @@ on RabbitMQ with the tokens in Redis.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,7 +27,7 @@ from django_tokenbucket.testing import frozen_clock
 
 from .celery_app import QUEUE, app
 from .celery_tasks import RUNS, TASKS_LIMIT, limited_effect, plain_effect
-from .celery_workers import CeleryProcess, purge_broker
+from .celery_workers import CeleryProcess, publish_elsewhere, purge_broker
 from .settings import TOKENBUCKET as BASE_SETTINGS
 from .test_celery import (  # noqa: F401  (fixtures)
     clean_records,
@@ -284,8 +280,7 @@ def test_a_worker_dying_between_deferring_and_acknowledging_runs_the_task_once(w
 
 
 _DELAY_ON_RABBITMQ = """
-import json, time, django
-django.setup()
+import json, time
 from tests.celery_tasks import limited_effect
 started = time.time()
 ids = [limited_effect.delay(f"amqp{i}", tenant="amqp").id for i in range(16)]
@@ -298,24 +293,7 @@ def test_on_rabbitmq_with_the_tokens_in_redis(tables, workdir, rabbitmq, redis_s
     queue = f"{QUEUE}-amqp-tasks"
     amqp_worker = CeleryProcess(workdir, broker=rabbitmq, queues=queue, tokenbucket=redis_store)
     try:
-        env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "tests.celery_worker_settings",
-            "TOKENBUCKET_WORKER_DB_NAME": str(connection.settings_dict["NAME"]),
-            "TOKENBUCKET_WORKER_REDIS_PREFIX": "unused",
-            "TOKENBUCKET_CELERY_BROKER": rabbitmq,
-            "TOKENBUCKET_CELERY_QUEUE": queue,
-        }
-        out = subprocess.run(
-            [sys.executable, "-c", "import tests.celery_app\n" + _DELAY_ON_RABBITMQ],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent.parent,
-            env=env,
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        published_at, ids = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+        published_at, ids = publish_elsewhere(_DELAY_ON_RABBITMQ, rabbitmq, queue)
         wait_for(lambda: len(runs()) >= len(ids), timeout=30, what="the RabbitMQ tasks")
         time.sleep(0.5)
         # The tokens were taken in Redis (the bound below shows that they were taken):

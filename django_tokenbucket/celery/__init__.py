@@ -80,8 +80,6 @@ RUN_RESERVATION_TASK = "django_tokenbucket.run_reservation"
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
-#: ``TOKENBUCKET["CELERY"]``: times in seconds.
-
 #: Options of a signature that the reservation decides itself, or that would run
 #: outside its bookkeeping (callbacks would also fire for duplicate deliveries).
 _FORBIDDEN_OPTIONS = frozenset(
@@ -597,6 +595,5 @@ def _publish_batches(alias: str, queryset: Any, batch: int, now: datetime) -> tu
             return sent, 0
 
 
-# Last: the task base builds on the scheduling above (a submodule may import its
-# package's names once they exist).
+# Last: the task base builds on the names above.
 from .task import RateLimitedTask  # noqa: E402

@@ -24,6 +24,7 @@ from django.db import router, transaction
 from django.utils import timezone
 
 from .. import metrics
+from ..algorithms import MICRO
 from ..api import limiter
 from ..exceptions import BackendUnavailable
 from ..keys import EncodedKey
@@ -237,7 +238,7 @@ class HeldTokens:
     @property
     def tokens(self) -> float:
         """Return the tokens the task took."""
-        return self.count / 1e6
+        return self.count / MICRO
 
     def refund(self, count: int | float) -> bool:
         """Give back ``count`` unused tokens; False when a refund was already made."""
