@@ -15,9 +15,31 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import redis
+import redis.asyncio.connection
+import redis.connection
+
+#: Socket connections attempted by this process, by port (CountingConnection, AsyncCountingConnection).
+CONNECTS: Counter[int] = Counter()
+
+
+class CountingConnection(redis.connection.Connection):
+    """redis-py's connection, counting each socket it tries to open in ``CONNECTS`` (by port)."""
+
+    def _connect(self):
+        CONNECTS[int(self.port)] += 1
+        return super()._connect()
+
+
+class AsyncCountingConnection(redis.asyncio.connection.Connection):
+    """The asyncio twin of ``CountingConnection``."""
+
+    async def _connect(self):
+        CONNECTS[int(self.port)] += 1
+        return await super()._connect()
 
 
 def delete_keys(alias: str = "redis") -> int:

@@ -28,7 +28,9 @@ digest and found by their exact key.
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -54,11 +56,11 @@ from ...limits import LimitConfig
 from ...settings import tokenbucket_settings
 from ..base import BackendError, BaseBackend, Outcome, RecentDenials, Request, RowId, row_id
 from .aio import AsyncioClients, missing_cache_error, not_django_redis_error
+from .bounded import DeadlineExceeded, cluster_execute, guarded, single_execute, timeout_option
 from .checks import check_cache
 from .connections import ClusterConnectionFactory, _may_have_run, _pooled_connection, _single_server_pool
 from .keyspace import KeyspaceListing, _key_head, _node_clients, _state_key, state_key
 from .script import (
-    _FIELDS,
     _HEADERS,
     _INDEX_AND_COUNT,
     _PINNED_HEADERS,
@@ -71,12 +73,13 @@ from .script import (
     _msgpack,
     _parse_state,
     _refund_request,
+    _reply_outcome,
 )
 
 __all__ = ["RedisBackend"]
 
 
-_OPTIONS = {"CACHE"}
+_OPTIONS = {"CACHE", "TIMEOUT"}
 
 
 #: Limits whose arguments a backend keeps formatted.
@@ -130,6 +133,8 @@ class RedisBackend(KeyspaceListing, BaseBackend):
     Options: ``CACHE``, the alias in ``CACHES`` (default ``"default"``); it must be a
     ``django_redis.cache.RedisCache``. For Redis Cluster, give that cache
     ``"CONNECTION_FACTORY": "django_tokenbucket.backends.redis.ClusterConnectionFactory"``.
+    ``TIMEOUT`` (default None): the seconds a whole call may take before it fails as a
+    store failure, and unreachable nodes fail their keys' calls at once (``bounded``).
     """
 
     option_names = frozenset(_OPTIONS)
@@ -143,8 +148,12 @@ class RedisBackend(KeyspaceListing, BaseBackend):
         if unknown:
             raise ImproperlyConfigured(
                 f"{setting}['OPTIONS'] has unknown option(s) for the Redis backend: "
-                f"{', '.join(sorted(map(repr, unknown)))}; expected 'CACHE'"
+                f"{', '.join(sorted(map(repr, unknown)))}; expected 'CACHE' or 'TIMEOUT'"
             )
+        try:
+            self.timeout = timeout_option(self.options.get("TIMEOUT"), setting)
+        except ValueError as exc:
+            raise ImproperlyConfigured(str(exc)) from None
         alias = self.options.get("CACHE", "default")
         if not isinstance(alias, str):
             raise ImproperlyConfigured(f"{setting}['OPTIONS']['CACHE'] must be a cache alias, not {alias!r}")
@@ -196,21 +205,33 @@ class RedisBackend(KeyspaceListing, BaseBackend):
     def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
         try:
             # Inside the try: a cluster client discovers its nodes when it is made.
+            deadline = None if self.timeout is None else time.monotonic() + self.timeout
             connection = self._connect()
             if self._reads_first(requests, apply):
-                read = self._read(connection, requests[0], apply=apply)
+                read = self._read(connection, requests[0], apply=apply, deadline=deadline)
                 if read is not None:
                     return read
             keys, argv = self._command(connection, requests, apply=apply)
             self._check_slots(connection.client, keys, requests)
-            reply = self._run(connection.client, keys, argv)
+            reply = self._run(connection.client, keys, argv, deadline)
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc, ambiguous=apply and self._script_may_have_run(exc)) from exc
-        return self._learned(self._outcome(reply, len(requests)), requests, apply)
+        return self._learned(_reply_outcome(reply, len(requests)), requests, apply)
 
     async def adecide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
         """``decide()`` on the asyncio client of the running event loop: the same script,
-        keys, clock and error mapping, without a thread."""
+        keys, clock and error mapping, without a thread; within ``TIMEOUT`` if set."""
+        if self.timeout is None:
+            return await self._adecide(requests, apply, None)
+        deadline = time.monotonic() + self.timeout
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await self._adecide(requests, apply, deadline)
+        except TimeoutError as exc:  # asyncio's, at the deadline: what ran was cancelled
+            expired = DeadlineExceeded(f"no reply within the backend's TIMEOUT = {self.timeout:g} s")
+            raise self._failed(expired, ambiguous=apply) from exc
+
+    async def _adecide(self, requests: Sequence[Request], apply: bool, deadline: float | None) -> Outcome:
         client = None
         try:
             connection = await self._aconnect()
@@ -225,11 +246,11 @@ class RedisBackend(KeyspaceListing, BaseBackend):
             client = connection.client
             keys, argv = self._command(connection, requests, apply=apply)
             self._check_slots(client, keys, requests)
-            reply = await self._arun(client, keys, argv)
+            reply = await self._arun(connection, keys, argv, deadline)
         except (RedisError, RedisClusterException, OSError) as exc:
             ambiguous = apply and client is not None and _may_have_run(client, exc)
             raise self._failed(exc, ambiguous=ambiguous) from exc
-        return self._learned(self._outcome(reply, len(requests)), requests, apply)
+        return self._learned(_reply_outcome(reply, len(requests)), requests, apply)
 
     # -- reading first: a denial or a check without the script ----------------------------
     #
@@ -275,11 +296,22 @@ class RedisBackend(KeyspaceListing, BaseBackend):
             decision = _decision(decision.allowed, decision.value, decision.retry_after, decision.full_after)
         return self._learned(_make_outcome([decision], now), [request], apply)
 
-    def _read(self, connection: _Connection, request: Request, *, apply: bool) -> Outcome | None:
+    def _read(
+        self, connection: _Connection, request: Request, *, apply: bool, deadline: float | None = None
+    ) -> Outcome | None:
         """Decide ``request`` from one read of its bucket and the clock; None: run the script."""
         pool, commands, now = self._read_plan(connection, request)
         if pool is None:
             return None
+        if deadline is not None:
+            try:
+                replies = single_execute(pool, commands, deadline, self.timeout or 0.0)
+            except ResponseError:
+                return None
+            except (RedisError, OSError) as exc:
+                raise self._failed(exc) from exc  # a read changed nothing: not ambiguous
+            now = _microseconds(replies[1]) if now is None else now
+            return self._read_outcome(request, replies[0], now, apply=apply)
         try:
             link = _pooled_connection(pool)
         except (RedisError, OSError) as exc:
@@ -520,7 +552,7 @@ class RedisBackend(KeyspaceListing, BaseBackend):
                 f"keys (or a KEY_FUNCTION that moved the hash tag)"
             )
 
-    def _run(self, client: Any, keys: list[str], argv: list[str | bytes]) -> Any:
+    def _run(self, client: Any, keys: list[str], argv: list[str | bytes], deadline: float | None = None) -> Any:
         script = self._script
         if script is None:
             with self._script_lock:
@@ -530,55 +562,38 @@ class RedisBackend(KeyspaceListing, BaseBackend):
         assert script is not None
         # execute_command rather than evalsha(): the same command, without redis-py's
         # per-call argument-deprecation wrapper.
+        execute = client.execute_command if deadline is None else self._bounded(client, keys[0], deadline)
         try:
-            return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *argv)
+            return execute("EVALSHA", script.sha, len(keys), *keys, *argv)
         except NoScriptError:
             self.script_reloads += 1
             # A flush, restart or failover emptied the script cache. EVAL runs the
             # script and caches it again in one round trip, on whichever node owns the slot.
-            return client.execute_command("EVAL", SCRIPT, len(keys), *keys, *argv)
+            return execute("EVAL", SCRIPT, len(keys), *keys, *argv)
 
-    async def _arun(self, client: Any, keys: list[str], argv: list[str | bytes]) -> Any:
-        try:
-            return await client.execute_command("EVALSHA", SCRIPT_SHA, len(keys), *keys, *argv)
-        except NoScriptError:
-            self.script_reloads += 1
-            return await client.execute_command("EVAL", SCRIPT, len(keys), *keys, *argv)
+    def _bounded(self, client: Any, key: str, deadline: float) -> Callable[..., Any]:
+        """What runs one command of a call within ``deadline`` (``bounded``), on ``client``."""
+        timeout = self.timeout or 0.0
+        if isinstance(client, RedisCluster):
+            return lambda *args: cluster_execute(client, key, args, deadline, timeout)
+        pool = client.connection_pool
+        return lambda *args: single_execute(pool, [args], deadline, timeout)[0]
 
-    @staticmethod
-    def _outcome(reply: Any, count: int) -> Outcome:
-        """Read the script's reply. Its decisions carry no state to store: the script stored it."""
-        if type(reply) is list and len(reply) == 5 and count == 1:
-            # The common path's integers: now, allowed, value, retry_after (0 for None:
-            # there is one only when denied or in debt), full_after.
-            now, allowed, value, retry_after, full_after = reply
-            retry = retry_after if allowed == 0 or value < 0 else None
-            return _make_outcome([_decision(allowed == 1, value, retry, full_after)], now)
-        if isinstance(reply, bytes):
-            fields: list[Any] = reply.split(b" ")
-            yes: Any = b"1"
-            dash: Any = b"-"
-        elif isinstance(reply, str):  # a client made with decode_responses
-            fields, yes, dash = reply.split(" "), "1", "-"
-        else:
-            fields = []
-        if len(fields) != 1 + _FIELDS * count:
-            raise BackendError(f"unexpected reply from the decision script: {reply!r}")
-        # int() reads bytes as well as str: no decoding.
-        decisions = [
-            _decision(
-                fields[i] == yes,
-                int(fields[i + 1]),
-                None if fields[i + 2] == dash else int(fields[i + 2]),
-                int(fields[i + 3]),
-            )
-            for i in range(1, len(fields), _FIELDS)
-        ]
-        return _make_outcome(decisions, int(fields[0]))
+    async def _arun(
+        self, connection: _Connection, keys: list[str], argv: list[str | bytes], deadline: float | None
+    ) -> Any:
+        client = connection.client
+
+        async def run() -> Any:
+            try:
+                return await client.execute_command("EVALSHA", SCRIPT_SHA, len(keys), *keys, *argv)
+            except NoScriptError:
+                self.script_reloads += 1
+                return await client.execute_command("EVAL", SCRIPT, len(keys), *keys, *argv)
+
+        return await (run() if deadline is None else guarded(client, keys[0], deadline, run))
 
 
 def _app_clock() -> bool:
     """Whether the script is sent this host's time (``TOKENBUCKET["CLOCK"] == "app"``)."""
     return bool(tokenbucket_settings.CLOCK == "app")
-
-
