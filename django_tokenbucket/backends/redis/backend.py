@@ -33,6 +33,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 from django.core.cache import InvalidCacheBackendError, caches
@@ -56,10 +57,17 @@ from ...limits import LimitConfig
 from ...settings import tokenbucket_settings
 from ..base import BackendError, BaseBackend, Outcome, RecentDenials, Request, RowId, row_id
 from .aio import AsyncioClients, missing_cache_error, not_django_redis_error
-from .bounded import DeadlineExceeded, cluster_execute, guarded, single_execute, timeout_option
+from .bounded import (
+    DeadlineExceeded,
+    acluster_execute,
+    cluster_execute,
+    guarded,
+    single_execute,
+    timeout_option,
+)
 from .checks import check_cache
 from .connections import ClusterConnectionFactory, _may_have_run, _pooled_connection, _single_server_pool
-from .keyspace import KeyspaceListing, _key_head, _node_clients, _state_key, state_key
+from .keyspace import KeyspaceListing, _check_slots, _key_head, _node_clients, _state_key, state_key
 from .script import (
     _HEADERS,
     _INDEX_AND_COUNT,
@@ -212,7 +220,7 @@ class RedisBackend(KeyspaceListing, BaseBackend):
                 if read is not None:
                     return read
             keys, argv = self._command(connection, requests, apply=apply)
-            self._check_slots(connection.client, keys, requests)
+            _check_slots(connection.client, keys, requests)
             reply = self._run(connection.client, keys, argv, deadline)
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc, ambiguous=apply and self._script_may_have_run(exc)) from exc
@@ -245,7 +253,7 @@ class RedisBackend(KeyspaceListing, BaseBackend):
                     return read
             client = connection.client
             keys, argv = self._command(connection, requests, apply=apply)
-            self._check_slots(client, keys, requests)
+            _check_slots(client, keys, requests)
             reply = await self._arun(connection, keys, argv, deadline)
         except (RedisError, RedisClusterException, OSError) as exc:
             ambiguous = apply and client is not None and _may_have_run(client, exc)
@@ -539,19 +547,6 @@ class RedisBackend(KeyspaceListing, BaseBackend):
         fields = limit.reserve if request.reserve else limit.plain
         return _INDEX_AND_COUNT.pack(0xD3, key_index, 0xD3, request.count) + fields + fresh_ts
 
-    @staticmethod
-    def _check_slots(client: Any, keys: list[str], requests: Sequence[Request]) -> None:
-        if len(keys) < 2 or not isinstance(client, (RedisCluster, AsyncRedisCluster)):
-            return
-        cluster: Any = client
-        if len({cluster.keyslot(key) for key in keys}) > 1:
-            names = ", ".join(sorted({repr(r.config.name) for r in requests}))
-            raise ImproperlyConfigured(
-                f"rate limits {names}: on Redis Cluster, limits decided together (limit_many) must "
-                f"share one key, so that their states live in one hash slot; these use different "
-                f"keys (or a KEY_FUNCTION that moved the hash tag)"
-            )
-
     def _run(self, client: Any, keys: list[str], argv: list[str | bytes], deadline: float | None = None) -> Any:
         script = self._script
         if script is None:
@@ -583,15 +578,17 @@ class RedisBackend(KeyspaceListing, BaseBackend):
         self, connection: _Connection, keys: list[str], argv: list[str | bytes], deadline: float | None
     ) -> Any:
         client = connection.client
+        bounded_cluster = deadline is not None and isinstance(client, AsyncRedisCluster)
+        call = partial(acluster_execute, client, keys[0]) if bounded_cluster else client.execute_command
 
         async def run() -> Any:
             try:
-                return await client.execute_command("EVALSHA", SCRIPT_SHA, len(keys), *keys, *argv)
+                return await call("EVALSHA", SCRIPT_SHA, len(keys), *keys, *argv)
             except NoScriptError:
                 self.script_reloads += 1
-                return await client.execute_command("EVAL", SCRIPT, len(keys), *keys, *argv)
+                return await call("EVAL", SCRIPT, len(keys), *keys, *argv)
 
-        return await (run() if deadline is None else guarded(client, keys[0], deadline, run))
+        return await (run() if deadline is None or bounded_cluster else guarded(client, keys[0], run))
 
 
 def _app_clock() -> bool:

@@ -50,6 +50,7 @@ from .connections import _pooled_connection
 __all__ = [
     "DeadlineExceeded",
     "NodeUnavailable",
+    "acluster_execute",
     "cluster_execute",
     "guarded",
     "node_of",
@@ -237,13 +238,12 @@ def asyncio_node(client: Any, key: str) -> str | None:
     return None if pool is None else node_of(pool)
 
 
-async def guarded(
-    client: Any, key: str, deadline: float, run: Callable[[], Awaitable[Any]], breakers: Breakers = BREAKERS
-) -> Any:
+async def guarded(client: Any, key: str, run: Callable[[], Awaitable[Any]], breakers: Breakers = BREAKERS) -> Any:
     """Await ``run()`` (a command of an asyncio ``client`` on ``key``) behind its node's breaker.
 
     The deadline itself is ``asyncio.timeout``'s, around the whole call: this only tells
-    the breaker whether the node answered.
+    the breaker whether the node answered. A call cancelled at the deadline tells it
+    nothing: redis-py may have been waiting out a cluster that is down, not this node.
     """
     node = asyncio_node(client, key)
     if node is None:
@@ -258,9 +258,63 @@ async def guarded(
     except (RedisConnectionError, RedisTimeoutError, OSError):
         breakers.failed(node)
         raise
-    except asyncio.CancelledError:
-        if time.monotonic() >= deadline - 0.001:
-            breakers.failed(node)  # no reply within TIMEOUT: the node stalls
-        raise
     breakers.succeeded(node)
     return reply
+
+
+async def acluster_execute(client: Any, key: str, *args: Any, breakers: Breakers = BREAKERS) -> Any:
+    """``cluster_execute`` on redis-py's asyncio cluster client (the deadline is the caller's
+    ``asyncio.timeout``).
+
+    redis-py's own loop answers ``CLUSTERDOWN`` by closing every connection of the client,
+    those other tasks are using included (they then fail outside redis-py's errors), and
+    retries a refused connection ten times: this loop does neither.
+    """
+    await client.initialize()  # reads the topology on the first call only
+    pause = FIRST_PAUSE
+    redirect = None
+    while True:
+        node = redirect or client.get_node_from_key(key)
+        if not breakers.allow(node.name):
+            raise refused(node.name, breakers)
+        try:
+            if redirect is not None:
+                await node.execute_command("ASKING")
+            reply = await node.execute_command(*args)
+        except MovedError as exc:
+            breakers.succeeded(node.name)
+            await client.nodes_manager.move_slot(exc)
+            redirect = None
+            continue
+        except AskError as exc:
+            breakers.succeeded(node.name)
+            redirect = client.nodes_manager.get_node(host=exc.host, port=exc.port)
+            if redirect is None:
+                raise
+            continue
+        except (ClusterDownError, TryAgainError):
+            breakers.succeeded(node.name)
+            redirect = None
+            await asyncio.sleep(pause)
+            pause = min(MAX_PAUSE, pause * 2)
+            continue
+        except ResponseError:
+            breakers.succeeded(node.name)
+            raise
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            breakers.failed(node.name)
+            # redis-py says "connecting" when no connection could be made: nothing was sent.
+            sent = "connecting" not in str(exc)
+            _mark(exc, sent=sent)
+            if sent:
+                raise  # the script may have run: never again
+            # Read the topology again (a replica may have taken the slot over), as redis-py
+            # would on its next command, and go on if another node holds the slot now.
+            client._initialize = True
+            await client.initialize(last_failed_node_name=node.name)
+            if client.get_node_from_key(key).name == node.name:
+                raise
+            redirect = None
+            continue
+        breakers.succeeded(node.name)
+        return reply
