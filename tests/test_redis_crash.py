@@ -110,6 +110,7 @@ class Recorder:
         self.admitted: Counter[str] = Counter()
         self.violations: list[str] = []
         self.healthy_refused = 0
+        self.healthy_errors: Counter[str] = Counter()
 
     def before(self) -> tuple[int, int]:
         return CONNECTS[self.dead_port], BREAKERS.get(self.dead_node).rejected
@@ -122,6 +123,8 @@ class Recorder:
             self.violations.append(f"a call refused by the breaker made {connects - before[0]} connection attempt(s)")
         if not dead and "could not be reached lately" in text and self.dead_node in text:
             self.healthy_refused += 1
+        if not dead and outcome == "failed":
+            self.healthy_errors[text.partition("the store failed: ")[2].partition(":")[0]] += 1
         self.calls.append((started, elapsed, outcome, dead))
 
     def result(self) -> dict[str, Any]:
@@ -130,6 +133,7 @@ class Recorder:
             "admitted": dict(self.admitted),
             "violations": self.violations,
             "healthy_refused": self.healthy_refused,
+            "healthy_errors": dict(self.healthy_errors),
             "rejected": BREAKERS.get(self.dead_node).rejected,
             "connects_to_dead": CONNECTS[self.dead_port],
             "decisions": dict(get_backend().async_calls),
@@ -272,6 +276,7 @@ def test_a_primary_killed_under_load_fails_fast_bounded_and_resumes(crash_cluste
         "calls": len(calls),
         "failed on the crashed primary": len(failed_dead),
         "failed on healthy primaries": len(failed_healthy),
+        "healthy failures by error": sum((Counter(r["healthy_errors"]) for r in results), Counter()),
         "refused by the breaker": sum(r["rejected"] for r in results),
         "connects to the crashed node": sum(r["connects_to_dead"] for r in results),
         "failure window s": round(max(c[0] + c[1] for c in failed_dead) - min(c[0] for c in failed_dead), 3)
@@ -308,7 +313,9 @@ def test_a_primary_killed_under_load_fails_fast_bounded_and_resumes(crash_cluste
     for result in results:
         admitted.update(result["admitted"])
     assert sum(admitted.values()) == 0, admitted
-    # The crashed primary's keys failed (that is the window), the healthy keys never
+    # The healthy keys failed only as the cluster being down made them (past TIMEOUT)...
+    assert set(figures["healthy failures by error"]) <= {"DeadlineExceeded", "ClusterDownError"}, figures
+    # ...and the crashed primary's keys failed (that is the window), the healthy keys never
     # because of its breaker...
     assert failed_dead and sum(r["healthy_refused"] for r in results) == 0
     # ...and every process decided on the crashed primary's keys again after the

@@ -25,7 +25,7 @@ from django_tokenbucket.backends.redis import aio
 from django_tokenbucket.backends.redis.breaker import BREAKERS, MAX_BACKOFF
 from django_tokenbucket.testing import frozen_clock
 
-from .redis_servers import CONNECTS, AsyncCountingConnection, CountingConnection, RedisServer
+from .redis_servers import CONNECTS, AsyncCountingConnection, CountingConnection, LocalSentinel, RedisServer
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
 REDIS_BACKEND = "django_tokenbucket.backends.redis.RedisBackend"
@@ -210,3 +210,45 @@ def test_a_bad_timeout_is_a_check_error_and_refused_at_use(value):
     with override_settings(TOKENBUCKET=tokenbucket):
         with pytest.raises(ImproperlyConfigured, match="TIMEOUT"):
             limiter.limit("login", "k")
+
+
+@pytest.mark.redis_processes
+def test_sentinel_calls_are_bounded_and_read_first_within_the_deadline():
+    with RedisServer() as master, LocalSentinel(master, service="tbdeadline") as sentinel:
+        cache = {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": "redis://tbdeadline/0",
+            "OPTIONS": {
+                "CLIENT_CLASS": "django_redis.client.SentinelClient",
+                "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
+                "SENTINELS": [sentinel.address],
+                "SENTINEL_KWARGS": {"socket_timeout": 0.2},
+                "SOCKET_CONNECT_TIMEOUT": 0.2,
+                # Not above TIMEOUT (W022): a new connection's handshake (Sentinel's PING
+                # to the master) is bounded by SOCKET_TIMEOUT alone.
+                "SOCKET_TIMEOUT": TIMEOUT,
+            },
+        }
+        tokenbucket = {
+            **BASE_SETTINGS,
+            "BACKEND": REDIS_BACKEND,
+            "OPTIONS": {"CACHE": "sentinel", "TIMEOUT": TIMEOUT},
+        }
+        with (
+            override_settings(CACHES={**settings.CACHES, "sentinel": cache}, TOKENBUCKET=tokenbucket),
+            frozen_clock(T0),
+        ):
+            backend = get_backend()
+            assert limiter.limit("login", "s", count=2).value == 3
+            assert asyncio.run(limiter.alimit("login", "s", count=2)).value == 1
+            # A key left short: its next decisions are reads, within the deadline too.
+            assert not limiter.limit("login", "s", count=2).ok
+            assert limiter.get_value("login", "s") == 1
+            assert backend.reads["decided"] == 2 and backend.async_calls == {"asyncio": 1}
+            master.pause()
+            try:
+                failures = [timed_failure(api, "s") for api in ("sync", "asyncio", "sync", "asyncio")]
+            finally:
+                master.resume()
+            assert max(elapsed for elapsed, _ in failures) < TIMEOUT + MARGIN, failures
+            assert until_answered("sync", "s").value == 0
