@@ -24,6 +24,7 @@ The figures (failure window, failed-call latency, healthy keys' latency) are pri
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import threading
 import time
 from collections import Counter
@@ -241,8 +242,6 @@ def percentile(values: list[float], q: float) -> float:
 
 @pytest.mark.parametrize("api", ["sync", "asyncio"])
 def test_a_primary_killed_under_load_fails_fast_bounded_and_resumes(crash_cluster, api):
-    import multiprocessing  # the flag is shared with the forked workers
-
     backend = get_backend()
     ports = key_ports(backend)
     by_node = Counter(ports.values())
