@@ -60,6 +60,7 @@ from .aio import AsyncioClients, missing_cache_error, not_django_redis_error
 from .bounded import (
     DeadlineExceeded,
     acluster_execute,
+    aread,
     cluster_execute,
     guarded,
     single_execute,
@@ -248,7 +249,7 @@ class RedisBackend(KeyspaceListing, BaseBackend):
                 return await super().adecide(requests, apply=apply)
             self.async_calls["asyncio"] += 1
             if self._reads_first(requests, apply):
-                read = await self._aread(connection, requests[0], apply=apply)
+                read = await self._aread(connection, requests[0], apply=apply, deadline=deadline)
                 if read is not None:
                     return read
             client = connection.client
@@ -342,32 +343,21 @@ class RedisBackend(KeyspaceListing, BaseBackend):
             pool.release(link)
         return self._read_outcome(request, raw, now, apply=apply)
 
-    async def _aread(self, connection: _Connection, request: Request, *, apply: bool) -> Outcome | None:
-        """``_read`` on the asyncio client."""
+    async def _aread(
+        self, connection: _Connection, request: Request, *, apply: bool, deadline: float | None = None
+    ) -> Outcome | None:
+        """``_read`` on the asyncio client (behind the node's breaker under ``TIMEOUT``)."""
         pool, commands, now = self._read_plan(connection, request)
         if pool is None:
             return None
         try:
-            link = await _pooled_connection(pool)
+            replies = await aread(pool, commands, guard=deadline is not None)
         except (RedisError, OSError) as exc:
-            raise self._failed(exc) from exc
-        try:
-            await link.send_packed_command(link.pack_commands(commands))
-            raw = await link.read_response()
-            if now is None:
-                now = _microseconds(await link.read_response())
-        except ResponseError:
-            await link.disconnect()
+            raise self._failed(exc) from exc  # a read changed nothing: not ambiguous
+        if replies is None:
             return None
-        except (RedisError, OSError) as exc:
-            await link.disconnect()
-            raise self._failed(exc) from exc
-        except BaseException:
-            await link.disconnect()
-            raise
-        finally:
-            await pool.release(link)
-        return self._read_outcome(request, raw, now, apply=apply)
+        now = _microseconds(replies[1]) if now is None else now
+        return self._read_outcome(request, replies[0], now, apply=apply)
 
     def _learned(self, outcome: Outcome, requests: Sequence[Request], apply: bool) -> Outcome:
         """Return ``outcome``, after remembering whether its key is likely denied next time."""

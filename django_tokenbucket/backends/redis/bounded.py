@@ -51,6 +51,7 @@ __all__ = [
     "DeadlineExceeded",
     "NodeUnavailable",
     "acluster_execute",
+    "aread",
     "cluster_execute",
     "guarded",
     "node_of",
@@ -99,6 +100,11 @@ def node_of(pool: Any) -> str:
     if "path" in kwargs:
         return str(kwargs["path"])
     return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+
+
+def _connecting(exc: BaseException) -> bool:
+    """Whether ``exc`` says no connection could be made (redis-py's words): nothing was sent."""
+    return isinstance(exc, NodeUnavailable) or "connecting" in str(exc)
 
 
 def refused(node: str, breakers: Breakers = BREAKERS) -> NodeUnavailable:
@@ -158,9 +164,9 @@ def _on_link(
                 raise _expired(timeout) from exc
             replies.append(reply)
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        # Not the breaker's business: the node was reached (a reply late on a busy
+        # machine, a connection the server dropped); the next connection tells.
         link.disconnect()
-        if sent or not isinstance(exc, DeadlineExceeded):
-            breakers.failed(node)  # it broke the connection, or did not answer in time
         _mark(exc, sent=sent)
         raise
     except BaseException:
@@ -255,8 +261,9 @@ async def guarded(client: Any, key: str, run: Callable[[], Awaitable[Any]], brea
     except ResponseError:
         breakers.succeeded(node)  # it answered
         raise
-    except (RedisConnectionError, RedisTimeoutError, OSError):
-        breakers.failed(node)
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        if _connecting(exc):
+            breakers.failed(node)
         raise
     breakers.succeeded(node)
     return reply
@@ -302,12 +309,11 @@ async def acluster_execute(client: Any, key: str, *args: Any, breakers: Breakers
             breakers.succeeded(node.name)
             raise
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            breakers.failed(node.name)
-            # redis-py says "connecting" when no connection could be made: nothing was sent.
-            sent = "connecting" not in str(exc)
+            sent = not _connecting(exc)
             _mark(exc, sent=sent)
             if sent:
                 raise  # the script may have run: never again
+            breakers.failed(node.name)
             # Read the topology again (a replica may have taken the slot over), as redis-py
             # would on its next command, and go on if another node holds the slot now.
             client._initialize = True
@@ -318,3 +324,31 @@ async def acluster_execute(client: Any, key: str, *args: Any, breakers: Breakers
             continue
         breakers.succeeded(node.name)
         return reply
+
+
+async def aread(pool: Any, commands: Sequence[Sequence[Any]], *, guard: bool) -> list[Any] | None:
+    """Send ``commands`` together on a connection of an asyncio ``pool``; their replies, or
+    None when one is an error. ``guard``: behind the server's breaker (``TIMEOUT``)."""
+    node = node_of(pool)
+    if guard and not BREAKERS.allow(node):
+        raise refused(node)
+    try:
+        link = await _pooled_connection(pool)
+    except (RedisConnectionError, RedisTimeoutError, OSError):
+        if guard:
+            BREAKERS.failed(node)
+        raise
+    try:
+        await link.send_packed_command(link.pack_commands(commands))
+        replies = [await link.read_response() for _ in commands]
+    except ResponseError:
+        await link.disconnect()  # the other reply may be unread
+        return None
+    except BaseException:
+        await link.disconnect()
+        raise
+    finally:
+        await pool.release(link)
+    if guard:
+        BREAKERS.succeeded(node)
+    return replies
