@@ -16,11 +16,13 @@ sleeps 0.25 s per ``CLUSTERDOWN`` reply, so a call can take seconds whatever
 - on asyncio the backend wraps the whole call in ``asyncio.timeout``.
 
 No step starts once the deadline has passed, and a reply is awaited only for the time
-left; a connection being made is bounded by ``SOCKET_CONNECT_TIMEOUT``. A command that
-was sent and whose reply did not come is never sent again: the script may have run.
+left; on the sync API a connection being made is bounded by ``SOCKET_CONNECT_TIMEOUT``
+and its handshake by ``SOCKET_TIMEOUT`` alone. A command that was sent and whose reply
+did not come is never sent again: the script may have run.
 
-Every node is guarded by its breaker (``breaker``): a node found unreachable fails the
-calls whose keys it holds at once, until one probe finds it (or its successor) again.
+Every node is guarded by its breaker (``breaker``): once no connection to a node could
+be made, the calls whose keys it holds fail at once, until one probe finds it (or its
+successor) again. A late reply or a dropped connection fails its call alone.
 """
 
 from __future__ import annotations
@@ -141,12 +143,13 @@ def _on_link(
         breakers.failed(node)
         _mark(exc, sent=False)
         raise
+    if time.monotonic() >= deadline:  # connecting took the time left
+        pool.release(link)
+        raise _mark(_expired(timeout), sent=False)
     sent = False
     replies: list[Any] = []
     error: ResponseError | None = None
     try:
-        if time.monotonic() >= deadline:
-            raise _expired(timeout)
         link.send_packed_command(link.pack_commands(commands))
         sent = True
         for _ in commands:

@@ -1,13 +1,14 @@
 """Fail fast per node: a circuit breaker for each Redis node (``host:port``) of a process.
 
-A node that is found unreachable (a connection refused, reset or timed out) is left
+A node that no connection can be made to (refused, or timed out) is left
 alone for a short, growing back-off (``FIRST_BACKOFF`` doubling to ``MAX_BACKOFF``):
 decisions whose keys live there fail at once, without a connection attempt, rather
 than each spending the client's connection retries, which in a worker or an event
 loop shared with healthy keys slows those too. When the back-off has passed, one call
 at a time (the probe) goes through: if the node answers, it is closed again; if not,
 the next back-off is twice as long. On a cluster the breaker is keyed by the node the
-client's slot table names, so after a failover the probe reaches the promoted replica.
+client's slot table names; after a failover the probe, finding the old primary gone,
+reads the topology again and reaches the promoted replica.
 
 ``Breaker`` is the state machine of one node, with an injectable clock; ``BREAKERS``
 holds those of the process, shared by the sync and the asyncio clients, and starts
