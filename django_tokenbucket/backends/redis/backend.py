@@ -58,10 +58,10 @@ from ...settings import tokenbucket_settings
 from ..base import BackendError, BaseBackend, Outcome, RecentDenials, Request, RowId, row_id
 from .aio import AsyncioClients, missing_cache_error, not_django_redis_error
 from .bounded import (
-    DeadlineExceeded,
     acluster_execute,
     aread,
     cluster_execute,
+    expired,
     guarded,
     single_execute,
     timeout_option,
@@ -213,8 +213,8 @@ class RedisBackend(KeyspaceListing, BaseBackend):
 
     def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
         try:
-            # Inside the try: a cluster client discovers its nodes when it is made.
             deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            # Inside the try: a cluster client discovers its nodes when it is made.
             connection = self._connect()
             if self._reads_first(requests, apply):
                 read = self._read(connection, requests[0], apply=apply, deadline=deadline)
@@ -237,8 +237,7 @@ class RedisBackend(KeyspaceListing, BaseBackend):
             async with asyncio.timeout(self.timeout):
                 return await self._adecide(requests, apply, deadline)
         except TimeoutError as exc:  # asyncio's, at the deadline: what ran was cancelled
-            expired = DeadlineExceeded(f"no reply within the backend's TIMEOUT = {self.timeout:g} s")
-            raise self._failed(expired, ambiguous=apply) from exc
+            raise self._failed(expired(self.timeout), ambiguous=apply) from exc
 
     async def _adecide(self, requests: Sequence[Request], apply: bool, deadline: float | None) -> Outcome:
         client = None

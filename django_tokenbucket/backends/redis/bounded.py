@@ -55,6 +55,7 @@ __all__ = [
     "acluster_execute",
     "aread",
     "cluster_execute",
+    "expired",
     "guarded",
     "node_of",
     "refused",
@@ -120,7 +121,8 @@ def refused(node: str, breakers: Breakers = BREAKERS) -> NodeUnavailable:
     return error
 
 
-def _expired(timeout: float) -> DeadlineExceeded:
+def expired(timeout: float) -> DeadlineExceeded:
+    """The error of a call that ran out of its ``TIMEOUT``."""
     return DeadlineExceeded(f"no reply within the backend's TIMEOUT = {timeout:g} s")
 
 
@@ -145,7 +147,7 @@ def _on_link(
         raise
     if time.monotonic() >= deadline:  # connecting took the time left
         pool.release(link)
-        raise _mark(_expired(timeout), sent=False)
+        raise _mark(expired(timeout), sent=False)
     sent = False
     replies: list[Any] = []
     error: ResponseError | None = None
@@ -164,7 +166,7 @@ def _on_link(
             except RedisTimeoutError as exc:
                 if not cut:
                     raise
-                raise _expired(timeout) from exc
+                raise expired(timeout) from exc
             replies.append(reply)
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
         # Not the breaker's business: the node was reached (a reply late on a busy
@@ -202,7 +204,7 @@ def cluster_execute(
     nodes = client.nodes_manager
     while True:
         if time.monotonic() >= deadline:
-            raise _mark(_expired(timeout), sent=False)
+            raise _mark(expired(timeout), sent=False)
         node = redirect or client.get_node_from_key(key)
         if not breakers.allow(node.name):
             raise refused(node.name, breakers)
