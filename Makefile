@@ -14,6 +14,11 @@
 # section of docs/benchmarks.md.
 # Knobs: BENCH_ARGS for peers.py, BENCH_HTTP_ARGS for http_stack.py. See docs/benchmarks.md.
 # The probes of benchmarks/probes/ are no part of it: each runs by hand (see its --help).
+# `make bench-failover` (issue 34, about a minute) runs tests/test_redis_crash.py, which kills
+# a Redis Cluster primary and a Sentinel master under load from 4 processes (sync, then
+# asyncio) and prints the figures: failure window, failed calls' latency, healthy keys'
+# p50/p99 before, during and after. It needs the test extras and redis-server; FAILOVER_RUNS
+# repeats it.
 
 PYTHON ?= python3
 BENCH_VENV := .venv-bench
@@ -26,7 +31,7 @@ BENCH_RESULTS := benchmarks/results
 # Expanded once: every step of one `make bench` records the same run id.
 BENCH_RUN := $(shell date -u +%Y%m%dT%H%M%SZ)-$(shell echo $$$$)
 
-.PHONY: bench bench-http bench-quick bench-tasks bench-venv
+.PHONY: bench bench-failover bench-http bench-quick bench-tasks bench-venv
 
 bench-venv: $(BENCH_STAMP)
 
@@ -54,3 +59,10 @@ bench-quick: $(BENCH_STAMP)
 		$(BENCH_HTTP_ARGS)
 	$(BENCH_PY) $(BENCH_SUITE)/report.py $(BENCH_RESULTS)/quick-peers.json $(BENCH_RESULTS)/quick-http.json \
 		--run-id $(BENCH_RUN)
+
+FAILOVER_RUNS ?= 1
+
+bench-failover:
+	for run in $$(seq $(FAILOVER_RUNS)); do \
+		$(PYTHON) -m pytest -p no:cacheprovider -q -s tests/test_redis_crash.py | grep -E '^issue 34|passed|failed' || exit 1; \
+	done

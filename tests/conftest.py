@@ -105,7 +105,7 @@ def _require_pgbouncer(items: list[pytest.Item]) -> None:
 def _redis_problem(item: pytest.Item, unreachable: str | None, missing: str | None) -> str | None:
     callspec = getattr(item, "callspec", None)
     uses_server = item.get_closest_marker("redis") is not None or (
-        callspec is not None and callspec.params.get("backend") == "redis"
+        callspec is not None and str(callspec.params.get("backend", "")).startswith("redis")
     )
     if uses_server and unreachable:
         return unreachable

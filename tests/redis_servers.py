@@ -15,9 +15,49 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import redis
+import redis.asyncio.connection
+import redis.asyncio.sentinel
+import redis.connection
+import redis.sentinel
+
+#: Socket connections attempted by this process, by port (CountingConnection, AsyncCountingConnection).
+CONNECTS: Counter[int] = Counter()
+
+
+class CountingConnection(redis.connection.Connection):
+    """redis-py's connection, counting each socket it tries to open in ``CONNECTS`` (by port)."""
+
+    def _connect(self):
+        CONNECTS[int(self.port)] += 1
+        return super()._connect()
+
+
+class AsyncCountingConnection(redis.asyncio.connection.Connection):
+    """The asyncio twin of ``CountingConnection``."""
+
+    async def _connect(self):
+        CONNECTS[int(self.port)] += 1
+        return await super()._connect()
+
+
+class CountingSentinelConnection(redis.sentinel.SentinelManagedConnection):
+    """Sentinel's managed connection, counting in ``CONNECTS`` (by the master's port it tries)."""
+
+    def _connect(self):
+        CONNECTS[int(self.port)] += 1
+        return super()._connect()
+
+
+class AsyncCountingSentinelConnection(redis.asyncio.sentinel.SentinelManagedConnection):
+    """The asyncio twin of ``CountingSentinelConnection``."""
+
+    async def _connect(self):
+        CONNECTS[int(self.port)] += 1
+        return await super()._connect()
 
 
 def delete_keys(alias: str = "redis") -> int:
@@ -246,9 +286,11 @@ class LocalCluster:
 class LocalSentinel:
     """A redis-sentinel (``redis-server --sentinel``) on a loopback port, watching ``master`` as ``service``."""
 
-    def __init__(self, master: RedisServer, service: str = "tbmaster") -> None:
+    def __init__(self, master: RedisServer, service: str = "tbmaster", down_after_ms: int | None = None) -> None:
         self.master = master
         self.service = service
+        #: Set, the sentinel fails the master over to a replica after this much silence.
+        self.down_after_ms = down_after_ms
         self.port = free_port()
         self._tmp = tempfile.TemporaryDirectory(prefix="tb-sentinel-")
         self.process: subprocess.Popen | None = None
@@ -263,6 +305,12 @@ class LocalSentinel:
             f"port {self.port}\nbind 127.0.0.1\ndir {self._tmp.name}\n"
             f"logfile {self._tmp.name}/sentinel.log\n"
             f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n"
+            + (
+                f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
+                f"sentinel failover-timeout {self.service} 10000\n"
+                if self.down_after_ms
+                else ""
+            )
         )
         self.process = subprocess.Popen(
             ["redis-server", str(config), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE

@@ -23,7 +23,7 @@ from django_tokenbucket.testing import frozen_clock
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
 # The conformance suite's stores: every backend, and on PostgreSQL its portable path too.
-from .test_conformance import BACKENDS
+from .test_conformance import BACKENDS, store_overrides
 
 #: A hundred tokens a second: a token every 10 ms.
 FAST = {"rate": 100, "period": 1}
@@ -33,9 +33,7 @@ SLACK = 1.0
 
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request, transactional_db):
-    overrides = dict(BACKENDS[request.param])
-    if request.param == "redis":
-        overrides.update(request.getfixturevalue("redis_store"))
+    overrides = store_overrides(request.param, request)
     with override_settings(TOKENBUCKET={**BASE_SETTINGS, **overrides}):
         yield request.param
 

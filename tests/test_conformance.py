@@ -25,7 +25,20 @@ DATABASE_BACKEND = "django_tokenbucket.backends.database.DatabaseBackend"
 BACKENDS = {
     "database": {"BACKEND": DATABASE_BACKEND},
     "redis": {"BACKEND": "django_tokenbucket.backends.redis.RedisBackend"},
+    # The Redis backend making each call itself (backends/redis/bounded.py), within a
+    # TIMEOUT that no case comes near.
+    "redis-timeout": {"BACKEND": "django_tokenbucket.backends.redis.RedisBackend", "OPTIONS": {"TIMEOUT": 5.0}},
 }
+
+
+def store_overrides(name: str, request) -> dict:
+    """The TOKENBUCKET overrides of backend ``name``; Redis' on this run's cache alias and keys."""
+    overrides = dict(BACKENDS[name])
+    if name.startswith("redis"):
+        # The cache alias to use, and a clean slate of this run's keys (see conftest.py).
+        store = request.getfixturevalue("redis_store")
+        overrides = {**store, "OPTIONS": {**store["OPTIONS"], **overrides.get("OPTIONS", {})}}
+    return overrides
 if _TEST_DB == "postgres":
     # "database" takes the one-statement fast path there; this is the portable one.
     BACKENDS["database-portable"] = {"BACKEND": DATABASE_BACKEND, "OPTIONS": {"FAST_PATH": False}}
@@ -56,13 +69,11 @@ def api(request, monkeypatch):
 
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request, transactional_db, api):
-    overrides = dict(BACKENDS[request.param])
-    if request.param == "redis":
-        # The cache alias to use, and a clean slate of this run's keys (see conftest.py).
-        overrides.update(request.getfixturevalue("redis_store"))
+    overrides = store_overrides(request.param, request)
     with override_settings(TOKENBUCKET={**BASE_SETTINGS, **overrides}):
+        assert getattr(get_backend(), "timeout", None) == overrides.get("OPTIONS", {}).get("TIMEOUT")
         yield request.param
-        if request.param == "redis" and api == "async":
+        if request.param.startswith("redis") and api == "async":
             # The async twins reached Redis on its asyncio client only: never through a
             # thread, and the blocking client was never even made.
             used = get_backend()

@@ -36,7 +36,7 @@ from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.base import BackendError, Outcome, Request
 from django_tokenbucket.backends.redis import BIGNUM_MARKER, SCRIPT, RedisBackend, state_key
 from django_tokenbucket.backends.redis.connections import _client_retries
-from django_tokenbucket.backends.redis.script import MAX_TTL_MS, _decision, _make_outcome, _msgpack
+from django_tokenbucket.backends.redis.script import MAX_TTL_MS, _decision, _make_outcome, _msgpack, _reply_outcome
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.limits import FIXED_WINDOW, LimitConfig, parse_limit
 from django_tokenbucket.testing import frozen_clock
@@ -146,9 +146,9 @@ class CountingScripts(RedisBackend):
 
     scripts = 0
 
-    def _run(self, client, keys, argv):
+    def _run(self, client, keys, argv, deadline=None):
         self.scripts += 1
-        return super()._run(client, keys, argv)
+        return super()._run(client, keys, argv, deadline)
 
 
 @pytest.fixture
@@ -201,7 +201,7 @@ COMMON_PATH_ONLY = (
 
 
 class CommonPathOnly(RedisBackend):
-    def _run(self, client, keys, argv):
+    def _run(self, client, keys, argv, deadline=None):
         return client.execute_command("EVAL", COMMON_PATH_ONLY, len(keys), *keys, *argv)
 
 
@@ -271,7 +271,7 @@ def test_the_general_path_decides_one_limit_as_the_common_path_does(backend):
     assert general_only != SCRIPT
 
     class GeneralPathOnly(RedisBackend):
-        def _run(self, client, keys, argv):
+        def _run(self, client, keys, argv, deadline=None):
             return client.execute_command("EVAL", general_only, len(keys), *keys, *argv)
 
     config = parity._config(rate=5 * MICRO, period=MICRO, capacity=10 * MICRO, max_reserved=3 * MICRO)
@@ -755,8 +755,8 @@ def test_the_replys_decisions_are_what_the_constructors_make():
     with pytest.raises(FrozenInstanceError):
         fast.value = 4  # type: ignore[misc]
     assert _make_outcome([fast], 5) == Outcome([Decision(False, -3, 7, 11, None)], 5)
-    assert RedisBackend._outcome(b"5 0 -3 7 11", 1) == Outcome([fast], 5)
-    assert RedisBackend._outcome("5 1 2 - 0", 1) == Outcome([Decision(True, 2, None, 0, None)], 5)
+    assert _reply_outcome(b"5 0 -3 7 11", 1) == Outcome([fast], 5)
+    assert _reply_outcome("5 1 2 - 0", 1) == Outcome([Decision(True, 2, None, 0, None)], 5)
 
 
 def test_the_script_is_package_data():

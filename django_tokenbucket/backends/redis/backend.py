@@ -28,9 +28,12 @@ digest and found by their exact key.
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 from django.core.cache import InvalidCacheBackendError, caches
@@ -54,11 +57,19 @@ from ...limits import LimitConfig
 from ...settings import tokenbucket_settings
 from ..base import BackendError, BaseBackend, Outcome, RecentDenials, Request, RowId, row_id
 from .aio import AsyncioClients, missing_cache_error, not_django_redis_error
+from .bounded import (
+    acluster_execute,
+    aread,
+    cluster_execute,
+    expired,
+    guarded,
+    single_execute,
+    timeout_option,
+)
 from .checks import check_cache
 from .connections import ClusterConnectionFactory, _may_have_run, _pooled_connection, _single_server_pool
-from .keyspace import KeyspaceListing, _key_head, _node_clients, _state_key, state_key
+from .keyspace import KeyspaceListing, _check_slots, _key_head, _node_clients, _state_key, state_key
 from .script import (
-    _FIELDS,
     _HEADERS,
     _INDEX_AND_COUNT,
     _PINNED_HEADERS,
@@ -71,12 +82,13 @@ from .script import (
     _msgpack,
     _parse_state,
     _refund_request,
+    _reply_outcome,
 )
 
 __all__ = ["RedisBackend"]
 
 
-_OPTIONS = {"CACHE"}
+_OPTIONS = {"CACHE", "TIMEOUT"}
 
 
 #: Limits whose arguments a backend keeps formatted.
@@ -130,6 +142,8 @@ class RedisBackend(KeyspaceListing, BaseBackend):
     Options: ``CACHE``, the alias in ``CACHES`` (default ``"default"``); it must be a
     ``django_redis.cache.RedisCache``. For Redis Cluster, give that cache
     ``"CONNECTION_FACTORY": "django_tokenbucket.backends.redis.ClusterConnectionFactory"``.
+    ``TIMEOUT`` (default None): the seconds a whole call may take before it fails as a
+    store failure, and unreachable nodes fail their keys' calls at once (``bounded``).
     """
 
     option_names = frozenset(_OPTIONS)
@@ -143,8 +157,12 @@ class RedisBackend(KeyspaceListing, BaseBackend):
         if unknown:
             raise ImproperlyConfigured(
                 f"{setting}['OPTIONS'] has unknown option(s) for the Redis backend: "
-                f"{', '.join(sorted(map(repr, unknown)))}; expected 'CACHE'"
+                f"{', '.join(sorted(map(repr, unknown)))}; expected 'CACHE' or 'TIMEOUT'"
             )
+        try:
+            self.timeout = timeout_option(self.options.get("TIMEOUT"), setting)
+        except ValueError as exc:
+            raise ImproperlyConfigured(str(exc)) from None
         alias = self.options.get("CACHE", "default")
         if not isinstance(alias, str):
             raise ImproperlyConfigured(f"{setting}['OPTIONS']['CACHE'] must be a cache alias, not {alias!r}")
@@ -195,22 +213,33 @@ class RedisBackend(KeyspaceListing, BaseBackend):
 
     def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
         try:
+            deadline = None if self.timeout is None else time.monotonic() + self.timeout
             # Inside the try: a cluster client discovers its nodes when it is made.
             connection = self._connect()
             if self._reads_first(requests, apply):
-                read = self._read(connection, requests[0], apply=apply)
+                read = self._read(connection, requests[0], apply=apply, deadline=deadline)
                 if read is not None:
                     return read
             keys, argv = self._command(connection, requests, apply=apply)
-            self._check_slots(connection.client, keys, requests)
-            reply = self._run(connection.client, keys, argv)
+            _check_slots(connection.client, keys, requests)
+            reply = self._run(connection.client, keys, argv, deadline)
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc, ambiguous=apply and self._script_may_have_run(exc)) from exc
-        return self._learned(self._outcome(reply, len(requests)), requests, apply)
+        return self._learned(_reply_outcome(reply, len(requests)), requests, apply)
 
     async def adecide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
         """``decide()`` on the asyncio client of the running event loop: the same script,
-        keys, clock and error mapping, without a thread."""
+        keys, clock and error mapping, without a thread; within ``TIMEOUT`` if set."""
+        if self.timeout is None:
+            return await self._adecide(requests, apply, None)
+        deadline = time.monotonic() + self.timeout
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await self._adecide(requests, apply, deadline)
+        except TimeoutError as exc:  # asyncio's, at the deadline: what ran was cancelled
+            raise self._failed(expired(self.timeout), ambiguous=apply) from exc
+
+    async def _adecide(self, requests: Sequence[Request], apply: bool, deadline: float | None) -> Outcome:
         client = None
         try:
             connection = await self._aconnect()
@@ -219,17 +248,17 @@ class RedisBackend(KeyspaceListing, BaseBackend):
                 return await super().adecide(requests, apply=apply)
             self.async_calls["asyncio"] += 1
             if self._reads_first(requests, apply):
-                read = await self._aread(connection, requests[0], apply=apply)
+                read = await self._aread(connection, requests[0], apply=apply, deadline=deadline)
                 if read is not None:
                     return read
             client = connection.client
             keys, argv = self._command(connection, requests, apply=apply)
-            self._check_slots(client, keys, requests)
-            reply = await self._arun(client, keys, argv)
+            _check_slots(client, keys, requests)
+            reply = await self._arun(connection, keys, argv, deadline)
         except (RedisError, RedisClusterException, OSError) as exc:
             ambiguous = apply and client is not None and _may_have_run(client, exc)
             raise self._failed(exc, ambiguous=ambiguous) from exc
-        return self._learned(self._outcome(reply, len(requests)), requests, apply)
+        return self._learned(_reply_outcome(reply, len(requests)), requests, apply)
 
     # -- reading first: a denial or a check without the script ----------------------------
     #
@@ -275,11 +304,22 @@ class RedisBackend(KeyspaceListing, BaseBackend):
             decision = _decision(decision.allowed, decision.value, decision.retry_after, decision.full_after)
         return self._learned(_make_outcome([decision], now), [request], apply)
 
-    def _read(self, connection: _Connection, request: Request, *, apply: bool) -> Outcome | None:
+    def _read(
+        self, connection: _Connection, request: Request, *, apply: bool, deadline: float | None = None
+    ) -> Outcome | None:
         """Decide ``request`` from one read of its bucket and the clock; None: run the script."""
         pool, commands, now = self._read_plan(connection, request)
         if pool is None:
             return None
+        if deadline is not None:
+            try:
+                replies = single_execute(pool, commands, deadline, self.timeout or 0.0)
+            except ResponseError:
+                return None
+            except (RedisError, OSError) as exc:
+                raise self._failed(exc) from exc  # a read changed nothing: not ambiguous
+            now = _microseconds(replies[1]) if now is None else now
+            return self._read_outcome(request, replies[0], now, apply=apply)
         try:
             link = _pooled_connection(pool)
         except (RedisError, OSError) as exc:
@@ -302,32 +342,21 @@ class RedisBackend(KeyspaceListing, BaseBackend):
             pool.release(link)
         return self._read_outcome(request, raw, now, apply=apply)
 
-    async def _aread(self, connection: _Connection, request: Request, *, apply: bool) -> Outcome | None:
-        """``_read`` on the asyncio client."""
+    async def _aread(
+        self, connection: _Connection, request: Request, *, apply: bool, deadline: float | None = None
+    ) -> Outcome | None:
+        """``_read`` on the asyncio client (behind the node's breaker under ``TIMEOUT``)."""
         pool, commands, now = self._read_plan(connection, request)
         if pool is None:
             return None
         try:
-            link = await _pooled_connection(pool)
+            replies = await aread(pool, commands, guard=deadline is not None)
         except (RedisError, OSError) as exc:
-            raise self._failed(exc) from exc
-        try:
-            await link.send_packed_command(link.pack_commands(commands))
-            raw = await link.read_response()
-            if now is None:
-                now = _microseconds(await link.read_response())
-        except ResponseError:
-            await link.disconnect()
+            raise self._failed(exc) from exc  # a read changed nothing: not ambiguous
+        if replies is None:
             return None
-        except (RedisError, OSError) as exc:
-            await link.disconnect()
-            raise self._failed(exc) from exc
-        except BaseException:
-            await link.disconnect()
-            raise
-        finally:
-            await pool.release(link)
-        return self._read_outcome(request, raw, now, apply=apply)
+        now = _microseconds(replies[1]) if now is None else now
+        return self._read_outcome(request, replies[0], now, apply=apply)
 
     def _learned(self, outcome: Outcome, requests: Sequence[Request], apply: bool) -> Outcome:
         """Return ``outcome``, after remembering whether its key is likely denied next time."""
@@ -507,20 +536,7 @@ class RedisBackend(KeyspaceListing, BaseBackend):
         fields = limit.reserve if request.reserve else limit.plain
         return _INDEX_AND_COUNT.pack(0xD3, key_index, 0xD3, request.count) + fields + fresh_ts
 
-    @staticmethod
-    def _check_slots(client: Any, keys: list[str], requests: Sequence[Request]) -> None:
-        if len(keys) < 2 or not isinstance(client, (RedisCluster, AsyncRedisCluster)):
-            return
-        cluster: Any = client
-        if len({cluster.keyslot(key) for key in keys}) > 1:
-            names = ", ".join(sorted({repr(r.config.name) for r in requests}))
-            raise ImproperlyConfigured(
-                f"rate limits {names}: on Redis Cluster, limits decided together (limit_many) must "
-                f"share one key, so that their states live in one hash slot; these use different "
-                f"keys (or a KEY_FUNCTION that moved the hash tag)"
-            )
-
-    def _run(self, client: Any, keys: list[str], argv: list[str | bytes]) -> Any:
+    def _run(self, client: Any, keys: list[str], argv: list[str | bytes], deadline: float | None = None) -> Any:
         script = self._script
         if script is None:
             with self._script_lock:
@@ -530,55 +546,40 @@ class RedisBackend(KeyspaceListing, BaseBackend):
         assert script is not None
         # execute_command rather than evalsha(): the same command, without redis-py's
         # per-call argument-deprecation wrapper.
+        execute = client.execute_command if deadline is None else self._bounded(client, keys[0], deadline)
         try:
-            return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *argv)
+            return execute("EVALSHA", script.sha, len(keys), *keys, *argv)
         except NoScriptError:
             self.script_reloads += 1
             # A flush, restart or failover emptied the script cache. EVAL runs the
             # script and caches it again in one round trip, on whichever node owns the slot.
-            return client.execute_command("EVAL", SCRIPT, len(keys), *keys, *argv)
+            return execute("EVAL", SCRIPT, len(keys), *keys, *argv)
 
-    async def _arun(self, client: Any, keys: list[str], argv: list[str | bytes]) -> Any:
-        try:
-            return await client.execute_command("EVALSHA", SCRIPT_SHA, len(keys), *keys, *argv)
-        except NoScriptError:
-            self.script_reloads += 1
-            return await client.execute_command("EVAL", SCRIPT, len(keys), *keys, *argv)
+    def _bounded(self, client: Any, key: str, deadline: float) -> Callable[..., Any]:
+        """What runs one command of a call within ``deadline`` (``bounded``), on ``client``."""
+        timeout = self.timeout or 0.0
+        if isinstance(client, RedisCluster):
+            return lambda *args: cluster_execute(client, key, args, deadline, timeout)
+        pool = client.connection_pool
+        return lambda *args: single_execute(pool, [args], deadline, timeout)[0]
 
-    @staticmethod
-    def _outcome(reply: Any, count: int) -> Outcome:
-        """Read the script's reply. Its decisions carry no state to store: the script stored it."""
-        if type(reply) is list and len(reply) == 5 and count == 1:
-            # The common path's integers: now, allowed, value, retry_after (0 for None:
-            # there is one only when denied or in debt), full_after.
-            now, allowed, value, retry_after, full_after = reply
-            retry = retry_after if allowed == 0 or value < 0 else None
-            return _make_outcome([_decision(allowed == 1, value, retry, full_after)], now)
-        if isinstance(reply, bytes):
-            fields: list[Any] = reply.split(b" ")
-            yes: Any = b"1"
-            dash: Any = b"-"
-        elif isinstance(reply, str):  # a client made with decode_responses
-            fields, yes, dash = reply.split(" "), "1", "-"
-        else:
-            fields = []
-        if len(fields) != 1 + _FIELDS * count:
-            raise BackendError(f"unexpected reply from the decision script: {reply!r}")
-        # int() reads bytes as well as str: no decoding.
-        decisions = [
-            _decision(
-                fields[i] == yes,
-                int(fields[i + 1]),
-                None if fields[i + 2] == dash else int(fields[i + 2]),
-                int(fields[i + 3]),
-            )
-            for i in range(1, len(fields), _FIELDS)
-        ]
-        return _make_outcome(decisions, int(fields[0]))
+    async def _arun(
+        self, connection: _Connection, keys: list[str], argv: list[str | bytes], deadline: float | None
+    ) -> Any:
+        client = connection.client
+        bounded_cluster = deadline is not None and isinstance(client, AsyncRedisCluster)
+        call = partial(acluster_execute, client, keys[0]) if bounded_cluster else client.execute_command
+
+        async def run() -> Any:
+            try:
+                return await call("EVALSHA", SCRIPT_SHA, len(keys), *keys, *argv)
+            except NoScriptError:
+                self.script_reloads += 1
+                return await call("EVAL", SCRIPT, len(keys), *keys, *argv)
+
+        return await (run() if deadline is None or bounded_cluster else guarded(client, keys[0], run))
 
 
 def _app_clock() -> bool:
     """Whether the script is sent this host's time (``TOKENBUCKET["CLOCK"] == "app"``)."""
     return bool(tokenbucket_settings.CLOCK == "app")
-
-

@@ -10,6 +10,7 @@ from django_redis import get_redis_connection
 
 from ... import catalogue
 from .. import is_django_redis
+from .bounded import timeout_option
 
 __all__ = ["check_cache"]
 
@@ -23,10 +24,34 @@ def check_cache(options: Mapping[str, Any], setting: str) -> list[Any]:
     cache_backend = cache_settings[alias].get("BACKEND")
     if not is_django_redis(cache_backend):
         return [catalogue.E027(setting=setting, alias=alias, backend=cache_backend)]
+    messages = _check_timeout(options, setting, alias, cache_settings[alias].get("OPTIONS") or {})
     policy = _eviction_policy(alias)
     if policy is not None and policy != "noeviction":
-        return [catalogue.W021(alias=alias, policy=policy)]
-    return []
+        messages.append(catalogue.W021(alias=alias, policy=policy))
+    return messages
+
+
+def _check_timeout(options: Mapping[str, Any], setting: str, alias: str, cache_options: Mapping[str, Any]) -> list[Any]:
+    """TIMEOUT is valid, and the socket timeouts (what bounds a connect or a topology read) are within it."""
+    try:
+        timeout = timeout_option(options.get("TIMEOUT"), setting)
+    except ValueError as exc:
+        return [catalogue.E029(error=exc)]
+    if timeout is None:
+        return []
+    read = cache_options.get("SOCKET_TIMEOUT") or None
+    connect = cache_options.get("SOCKET_CONNECT_TIMEOUT") or None
+    problems = []
+    # redis-py connects within SOCKET_TIMEOUT when no connect timeout is given.
+    if connect is not None and (not isinstance(connect, (int, float)) or connect > timeout):
+        problems.append(f"SOCKET_CONNECT_TIMEOUT = {connect!r}")
+    if read is None:
+        problems.append("no SOCKET_TIMEOUT" + ("" if connect else " nor SOCKET_CONNECT_TIMEOUT"))
+    elif not isinstance(read, (int, float)) or read > timeout:
+        problems.append(f"SOCKET_TIMEOUT = {read!r}")
+    if not problems:
+        return []
+    return [catalogue.W022(timeout=f"{timeout:g}", alias=alias, problem=" and ".join(problems))]
 
 
 def _eviction_policy(alias: str) -> str | None:

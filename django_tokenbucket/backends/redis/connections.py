@@ -67,6 +67,9 @@ def _client_retries(client: Any) -> bool:
 
 def _may_have_run(client: Any, exc: BaseException) -> bool:
     """Whether the script may have run although the call on ``client`` failed (see ``_script_may_have_run``)."""
+    sent = getattr(exc, "tokenbucket_sent", None)
+    if sent is not None:  # the backend made the call itself (``bounded``): it knows
+        return bool(sent)
     if _client_retries(client):
         return True
     if isinstance(exc, ResponseError):  # Redis answered: the script failed or never ran

@@ -14,12 +14,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 from django.core.exceptions import ImproperlyConfigured
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
 from ...keys import EncodedKey
 from ...limits import LimitConfig
-from ..base import BucketPage, StoredBucket, checked_digests
+from ..base import BucketPage, Request, StoredBucket, checked_digests
 from .script import _parse_state, _text
 
 __all__ = ["MAX_RESET_BATCH", "SCAN_COUNT", "KeyspaceListing", "state_key"]
@@ -301,3 +302,17 @@ class KeyspaceListing:
             if digest is not None and state is not None:
                 buckets.append(StoredBucket(digest, "", state))
         return sorted(buckets, key=lambda bucket: bucket.digest)
+
+
+def _check_slots(client: Any, keys: list[str], requests: Sequence[Request]) -> None:
+    """Refuse limits decided together on a cluster whose keys lie in different slots."""
+    if len(keys) < 2 or not isinstance(client, (RedisCluster, AsyncRedisCluster)):
+        return
+    cluster: Any = client
+    if len({cluster.keyslot(key) for key in keys}) > 1:
+        names = ", ".join(sorted({repr(r.config.name) for r in requests}))
+        raise ImproperlyConfigured(
+            f"rate limits {names}: on Redis Cluster, limits decided together (limit_many) must "
+            f"share one key, so that their states live in one hash slot; these use different "
+            f"keys (or a KEY_FUNCTION that moved the hash tag)"
+        )

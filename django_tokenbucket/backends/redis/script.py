@@ -16,7 +16,7 @@ from typing import Any
 from ...algorithms import CLOCK_SKEW_TOLERANCE, Decision, State
 from ...keys import EncodedKey
 from ...limits import LimitConfig
-from ..base import Outcome, Request
+from ..base import BackendError, Outcome, Request
 
 __all__ = ["BIGNUM_MARKER", "MAX_TTL_MS", "MIN_TTL_MS", "SCRIPT", "SCRIPT_SHA"]
 
@@ -142,3 +142,34 @@ def _microseconds(time_reply: Any) -> int:
     """Return Redis' ``TIME`` reply (seconds, microseconds) in microseconds."""
     seconds, micros = time_reply
     return int(seconds) * 1_000_000 + int(micros)
+
+
+def _reply_outcome(reply: Any, count: int) -> Outcome:
+    """Read the script's reply. Its decisions carry no state to store: the script stored it."""
+    if type(reply) is list and len(reply) == 5 and count == 1:
+        # The common path's integers: now, allowed, value, retry_after (0 for None:
+        # there is one only when denied or in debt), full_after.
+        now, allowed, value, retry_after, full_after = reply
+        retry = retry_after if allowed == 0 or value < 0 else None
+        return _make_outcome([_decision(allowed == 1, value, retry, full_after)], now)
+    if isinstance(reply, bytes):
+        fields: list[Any] = reply.split(b" ")
+        yes: Any = b"1"
+        dash: Any = b"-"
+    elif isinstance(reply, str):  # a client made with decode_responses
+        fields, yes, dash = reply.split(" "), "1", "-"
+    else:
+        fields = []
+    if len(fields) != 1 + _FIELDS * count:
+        raise BackendError(f"unexpected reply from the decision script: {reply!r}")
+    # int() reads bytes as well as str: no decoding.
+    decisions = [
+        _decision(
+            fields[i] == yes,
+            int(fields[i + 1]),
+            None if fields[i + 2] == dash else int(fields[i + 2]),
+            int(fields[i + 3]),
+        )
+        for i in range(1, len(fields), _FIELDS)
+    ]
+    return _make_outcome(decisions, int(fields[0]))

@@ -1,0 +1,359 @@
+"""One deadline per call (the Redis backend's ``TIMEOUT``), and failing fast per node.
+
+redis-py bounds each socket wait, not a call: its cluster client tries a command again
+up to ten times after a connection error, re-reading the topology each time, and
+sleeps 0.25 s per ``CLUSTERDOWN`` reply, so a call can take seconds whatever
+``SOCKET_TIMEOUT`` says. With ``TIMEOUT`` set, the backend makes each call itself:
+
+- on one server (Sentinel's included) it sends the command on a connection of the
+  client's pool and reads the reply for no longer than the time left (redis-py's pools
+  retry nothing by default either);
+- on a cluster it sends the command to the primary the client's slot table names for
+  the key, through that node's pool, and goes on by itself: ``MOVED`` updates the table,
+  ``ASK`` is followed, ``CLUSTERDOWN`` and ``TRYAGAIN`` are waited out (10 ms doubling
+  to 0.2 s, cut to the deadline), and a node that cannot be reached makes it read the
+  topology again and try the slot's new primary, if another node now holds it;
+- on asyncio the backend wraps the whole call in ``asyncio.timeout``.
+
+No step starts once the deadline has passed, and a reply is awaited only for the time
+left; on the sync API a connection being made is bounded by ``SOCKET_CONNECT_TIMEOUT``
+and its handshake by ``SOCKET_TIMEOUT`` alone. A command that was sent and whose reply
+did not come is never sent again: the script may have run.
+
+Every node is guarded by its breaker (``breaker``): once no connection to a node could
+be made, the calls whose keys it holds fail at once, until one probe finds it (or its
+successor) again. A late reply or a dropped connection fails its call alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .breaker import BREAKERS, Breakers
+from .connections import _pooled_connection
+
+__all__ = [
+    "DeadlineExceeded",
+    "NodeUnavailable",
+    "acluster_execute",
+    "aread",
+    "cluster_execute",
+    "expired",
+    "guarded",
+    "node_of",
+    "refused",
+    "single_execute",
+    "timeout_option",
+]
+
+#: The first pause after ``CLUSTERDOWN`` or ``TRYAGAIN``, and the longest.
+FIRST_PAUSE = 0.01
+MAX_PAUSE = 0.2
+
+
+class DeadlineExceeded(RedisTimeoutError):
+    """The call did not finish within the backend's ``TIMEOUT``."""
+
+
+class NodeUnavailable(RedisConnectionError):
+    """The node holding the call's keys was found unreachable lately: failed without trying."""
+
+
+def timeout_option(value: Any, setting: str = "TOKENBUCKET") -> float | None:
+    """Validate the ``TIMEOUT`` option: ``None`` or a positive, finite number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"{setting}['OPTIONS']['TIMEOUT'] must be None or a positive number of seconds, not {value!r}."
+        )
+    return float(value)
+
+
+def _mark(exc: BaseException, sent: bool) -> BaseException:
+    # What the backend reads to say whether a failed call is ambiguous.
+    exc.tokenbucket_sent = sent  # type: ignore[attr-defined]
+    return exc
+
+
+def node_of(pool: Any) -> str:
+    """The breaker's name for the server of a one-server pool: ``host:port``, the socket path,
+    or the Sentinel service (whose master may move)."""
+    service = getattr(pool, "service_name", None)
+    if service is not None:
+        return f"sentinel:{service}"
+    kwargs = pool.connection_kwargs
+    if "path" in kwargs:
+        return str(kwargs["path"])
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+
+
+def _connecting(exc: BaseException) -> bool:
+    """Whether ``exc`` says no connection could be made (redis-py's words): nothing was sent."""
+    return isinstance(exc, NodeUnavailable) or "connecting" in str(exc)
+
+
+def refused(node: str, breakers: Breakers = BREAKERS) -> NodeUnavailable:
+    """The error of a call that its node's breaker failed at once (nothing was sent)."""
+    wait = breakers.get(node).remaining()
+    error = NodeUnavailable(
+        f"Redis node {node} could not be reached lately: failing at once for {wait * 1000:.0f} ms more, "
+        f"then one call tries it again"
+    )
+    _mark(error, sent=False)
+    return error
+
+
+def expired(timeout: float) -> DeadlineExceeded:
+    """The error of a call that ran out of its ``TIMEOUT``."""
+    return DeadlineExceeded(f"no reply within the backend's TIMEOUT = {timeout:g} s")
+
+
+def _on_link(
+    pool: Any,
+    commands: Sequence[Sequence[Any]],
+    deadline: float,
+    timeout: float,
+    node: str,
+    breakers: Breakers,
+) -> list[Any]:
+    """Send ``commands`` together on a connection of ``pool``; read their replies until ``deadline``.
+
+    A reply that is an error is raised after every reply was read (the connection stays
+    in step); the first one wins.
+    """
+    try:
+        link = _pooled_connection(pool)
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        breakers.failed(node)
+        _mark(exc, sent=False)
+        raise
+    if time.monotonic() >= deadline:  # connecting took the time left
+        pool.release(link)
+        raise _mark(expired(timeout), sent=False)
+    sent = False
+    replies: list[Any] = []
+    error: ResponseError | None = None
+    try:
+        link.send_packed_command(link.pack_commands(commands))
+        sent = True
+        for _ in commands:
+            left = deadline - time.monotonic()
+            cut = link.socket_timeout is None or left < link.socket_timeout
+            try:
+                # A wait no longer than the time left; the connection's own timeout otherwise.
+                reply = link.read_response(timeout=max(left, 0.0)) if cut else link.read_response()
+            except ResponseError as exc:
+                error = error or exc
+                reply = None
+            except RedisTimeoutError as exc:
+                if not cut:
+                    raise
+                raise expired(timeout) from exc
+            replies.append(reply)
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        # Not the breaker's business: the node was reached (a reply late on a busy
+        # machine, a connection the server dropped); the next connection tells.
+        link.disconnect()
+        _mark(exc, sent=sent)
+        raise
+    except BaseException:
+        link.disconnect()
+        raise
+    finally:
+        pool.release(link)
+    breakers.succeeded(node)  # it answered, if only with an error
+    if error is not None:
+        raise error
+    return replies
+
+
+def single_execute(
+    pool: Any, commands: Sequence[Sequence[Any]], deadline: float, timeout: float, breakers: Breakers = BREAKERS
+) -> list[Any]:
+    """Run ``commands`` together on the server of ``pool`` (no retry) within ``deadline``; their replies."""
+    node = node_of(pool)
+    if not breakers.allow(node):
+        raise refused(node, breakers)
+    return _on_link(pool, commands, deadline, timeout, node, breakers)
+
+
+def cluster_execute(
+    client: Any, key: str, args: Sequence[Any], deadline: float, timeout: float, breakers: Breakers = BREAKERS
+) -> Any:
+    """Run one command on the primary of ``key``'s slot of the cluster ``client``, within ``deadline``."""
+    pause = FIRST_PAUSE
+    redirect = None
+    nodes = client.nodes_manager
+    while True:
+        if time.monotonic() >= deadline:
+            raise _mark(expired(timeout), sent=False)
+        node = redirect or client.get_node_from_key(key)
+        if not breakers.allow(node.name):
+            raise refused(node.name, breakers)
+        pool = client.get_redis_connection(node).connection_pool
+        try:
+            commands = [("ASKING",), args] if redirect is not None else [args]
+            return _on_link(pool, commands, deadline, timeout, node.name, breakers)[-1]
+        except MovedError as exc:
+            nodes.move_slot(exc)
+            redirect = None
+        except AskError as exc:
+            redirect = nodes.get_node(host=exc.host, port=exc.port)
+            if redirect is None:  # a node the table does not know yet: read the topology
+                nodes.initialize()
+                redirect = nodes.get_node(host=exc.host, port=exc.port)
+                if redirect is None:
+                    raise
+        except (ClusterDownError, TryAgainError):
+            redirect = None
+            time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+            pause = min(MAX_PAUSE, pause * 2)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            if getattr(exc, "tokenbucket_sent", True) or isinstance(exc, DeadlineExceeded):
+                raise  # the script may have run: never again
+            # Nothing was sent: read the topology (a replica may have taken the slot over)
+            # and go on if another node holds it now.
+            nodes.initialize(last_failed_node_name=node.name)
+            if client.get_node_from_key(key).name == node.name:
+                raise
+            redirect = None
+
+
+def asyncio_node(client: Any, key: str) -> str | None:
+    """The breaker's name for the node an asyncio client sends ``key``'s command to, if known."""
+    if isinstance(client, AsyncRedisCluster):
+        try:
+            node = client.get_node_from_key(key)
+        except (RedisClusterException, RedisError):
+            return None  # its slot table is not read yet: the first call finds out
+        return None if node is None else str(node.name)
+    pool = getattr(client, "connection_pool", None)
+    return None if pool is None else node_of(pool)
+
+
+async def guarded(client: Any, key: str, run: Callable[[], Awaitable[Any]], breakers: Breakers = BREAKERS) -> Any:
+    """Await ``run()`` (a command of an asyncio ``client`` on ``key``) behind its node's breaker.
+
+    The deadline itself is ``asyncio.timeout``'s, around the whole call: this only tells
+    the breaker whether the node answered. A call cancelled at the deadline tells it
+    nothing: redis-py may have been waiting out a cluster that is down, not this node.
+    """
+    node = asyncio_node(client, key)
+    if node is None:
+        return await run()
+    if not breakers.allow(node):
+        raise refused(node, breakers)
+    try:
+        reply = await run()
+    except ResponseError:
+        breakers.succeeded(node)  # it answered
+        raise
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        if _connecting(exc):
+            breakers.failed(node)
+        raise
+    breakers.succeeded(node)
+    return reply
+
+
+async def acluster_execute(client: Any, key: str, *args: Any, breakers: Breakers = BREAKERS) -> Any:
+    """``cluster_execute`` on redis-py's asyncio cluster client (the deadline is the caller's
+    ``asyncio.timeout``).
+
+    redis-py's own loop answers ``CLUSTERDOWN`` by closing every connection of the client,
+    those other tasks are using included (they then fail outside redis-py's errors), and
+    retries a refused connection ten times: this loop does neither.
+    """
+    await client.initialize()  # reads the topology on the first call only
+    pause = FIRST_PAUSE
+    redirect = None
+    while True:
+        node = redirect or client.get_node_from_key(key)
+        if not breakers.allow(node.name):
+            raise refused(node.name, breakers)
+        try:
+            if redirect is not None:
+                await node.execute_command("ASKING")
+            reply = await node.execute_command(*args)
+        except MovedError as exc:
+            breakers.succeeded(node.name)
+            await client.nodes_manager.move_slot(exc)
+            redirect = None
+            continue
+        except AskError as exc:
+            breakers.succeeded(node.name)
+            redirect = client.nodes_manager.get_node(host=exc.host, port=exc.port)
+            if redirect is None:
+                raise
+            continue
+        except (ClusterDownError, TryAgainError):
+            breakers.succeeded(node.name)
+            redirect = None
+            await asyncio.sleep(pause)
+            pause = min(MAX_PAUSE, pause * 2)
+            continue
+        except ResponseError:
+            breakers.succeeded(node.name)
+            raise
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            sent = not _connecting(exc)
+            _mark(exc, sent=sent)
+            if sent:
+                raise  # the script may have run: never again
+            breakers.failed(node.name)
+            # Read the topology again (a replica may have taken the slot over), as redis-py
+            # would on its next command, and go on if another node holds the slot now.
+            client._initialize = True
+            await client.initialize(last_failed_node_name=node.name)
+            if client.get_node_from_key(key).name == node.name:
+                raise
+            redirect = None
+            continue
+        breakers.succeeded(node.name)
+        return reply
+
+
+async def aread(pool: Any, commands: Sequence[Sequence[Any]], *, guard: bool) -> list[Any] | None:
+    """Send ``commands`` together on a connection of an asyncio ``pool``; their replies, or
+    None when one is an error. ``guard``: behind the server's breaker (``TIMEOUT``)."""
+    node = node_of(pool)
+    if guard and not BREAKERS.allow(node):
+        raise refused(node)
+    try:
+        link = await _pooled_connection(pool)
+    except (RedisConnectionError, RedisTimeoutError, OSError):
+        if guard:
+            BREAKERS.failed(node)
+        raise
+    try:
+        await link.send_packed_command(link.pack_commands(commands))
+        replies = [await link.read_response() for _ in commands]
+    except ResponseError:
+        await link.disconnect()  # the other reply may be unread
+        return None
+    except BaseException:
+        await link.disconnect()
+        raise
+    finally:
+        await pool.release(link)
+    if guard:
+        BREAKERS.succeeded(node)
+    return replies
