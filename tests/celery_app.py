@@ -39,6 +39,10 @@ app.conf.update(
     worker_redirect_stdouts=False,
     timezone="UTC",
 )
+if os.environ.get("TOKENBUCKET_CELERY_DB_REUSE_MAX"):
+    # Celery's Django fixup closes the database connection before and after every task
+    # unless told to reuse it this many times (make bench-tasks, docs/celery.md).
+    app.conf.CELERY_DB_REUSE_MAX = int(os.environ["TOKENBUCKET_CELERY_DB_REUSE_MAX"])
 if os.environ.get("TOKENBUCKET_CELERY_SWEEP_EVERY"):
     # The beat entry docs/celery.md recommends, at a test's pace.
     app.conf.beat_schedule = {

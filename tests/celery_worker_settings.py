@@ -11,10 +11,6 @@ from .settings import CACHES, DATABASES, TOKENBUCKET
 for _alias, _database in DATABASES.items():
     if _alias != "unreachable":
         _database["NAME"] = os.environ["TOKENBUCKET_WORKER_DB_NAME"]
-        # Persistent connections, as docs/celery.md advises for workers: with the default
-        # (0) Celery closes the connection after every task, and each task opens one.
-        _database["CONN_MAX_AGE"] = 60
-        _database["CONN_HEALTH_CHECKS"] = True
 # The Redis backend's keys of the pytest process (its prefix depends on its pid).
 CACHES["redis"]["KEY_PREFIX"] = os.environ["TOKENBUCKET_WORKER_REDIS_PREFIX"]
 TOKENBUCKET = {**TOKENBUCKET, **json.loads(os.environ.get("TOKENBUCKET_WORKER_TOKENBUCKET", "{}"))}

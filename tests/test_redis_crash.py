@@ -61,7 +61,7 @@ from .redis_servers import (
 )
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
-pytestmark = [pytest.mark.redis_processes, pytest.mark.concurrency, pytest.mark.store_crash]
+pytestmark = [pytest.mark.redis_processes, pytest.mark.concurrency, pytest.mark.redis_faults]
 
 T0 = 1_700_000_000.0
 TIMEOUT = 0.2

@@ -98,6 +98,7 @@ API = pytest.mark.parametrize("api", ["sync", "asyncio"])
 
 
 @pytest.mark.redis_processes
+@pytest.mark.redis_faults
 @API
 def test_a_frozen_server_fails_each_call_at_the_deadline_not_the_socket_timeout(api):
     with RedisServer() as server, bounded_redis(server) as backend, frozen_clock(T0):
@@ -122,6 +123,7 @@ def test_a_frozen_server_fails_each_call_at_the_deadline_not_the_socket_timeout(
 
 
 @pytest.mark.redis_processes
+@pytest.mark.redis_faults
 @API
 def test_an_unreachable_server_is_left_alone_until_one_probe_finds_it_again(api):
     server = RedisServer()
@@ -153,6 +155,7 @@ def test_an_unreachable_server_is_left_alone_until_one_probe_finds_it_again(api)
 
 
 @pytest.mark.redis_processes
+@pytest.mark.redis_faults
 def test_fail_open_applies_to_a_call_past_its_deadline():
     with RedisServer() as server, bounded_redis(server, fail_open=True) as backend, frozen_clock(T0):
         assert limiter.limit("login", "open").ok
@@ -167,6 +170,7 @@ def test_fail_open_applies_to_a_call_past_its_deadline():
 
 
 @pytest.mark.redis_processes
+@pytest.mark.redis_faults
 def test_without_timeout_the_socket_timeout_alone_bounds_a_call():
     """The negative control: the same frozen server, no TIMEOUT, a 1 s SOCKET_TIMEOUT."""
     with RedisServer() as server, bounded_redis(server, timeout=None, SOCKET_TIMEOUT=1) as backend:
@@ -217,6 +221,7 @@ def test_a_bad_timeout_is_a_check_error_and_refused_at_use(value):
 
 
 @pytest.mark.redis_processes
+@pytest.mark.redis_faults
 def test_sentinel_calls_are_bounded_and_read_first_within_the_deadline():
     with RedisServer() as master, LocalSentinel(master, service="tbdeadline") as sentinel:
         cache = {

@@ -31,6 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENBUCKET_TEST_DB", "postgres")
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+# The workers reuse their database connections, as docs/celery.md advises (inherited by
+# the worker processes; both sides of the comparison run on the same workers).
+os.environ.setdefault("TOKENBUCKET_CELERY_DB_REUSE_MAX", "1000")
 
 import django  # noqa: E402
 
