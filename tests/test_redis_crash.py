@@ -33,6 +33,8 @@ import multiprocessing
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -94,6 +96,16 @@ def crash_cluster(monkeypatch):
             "REDIS_CLIENT_KWARGS": {"connection_class": CountingConnection},
         },
     }
+    try:
+        with deciding_on(cache):
+            yield local
+    finally:
+        local.close()
+
+
+@contextmanager
+def deciding_on(cache: dict[str, Any]) -> Iterator[None]:
+    """The Redis backend on ``cache`` (as the alias "crash"), with TIMEOUT, and fresh breakers."""
     tokenbucket = {
         **BASE_SETTINGS,
         "BACKEND": "django_tokenbucket.backends.redis.RedisBackend",
@@ -102,10 +114,9 @@ def crash_cluster(monkeypatch):
     BREAKERS.clear()
     try:
         with override_settings(CACHES={**settings.CACHES, "crash": cache}, TOKENBUCKET=tokenbucket):
-            yield local
+            yield
     finally:
         BREAKERS.clear()
-        local.close()
 
 
 def key_ports(backend) -> dict[str, int]:
@@ -374,17 +385,8 @@ def crash_sentinel(monkeypatch):
                     "CONNECTION_POOL_KWARGS": {"connection_class": CountingSentinelConnection},
                 },
             }
-            tokenbucket = {
-                **BASE_SETTINGS,
-                "BACKEND": "django_tokenbucket.backends.redis.RedisBackend",
-                "OPTIONS": {"CACHE": "crash", "TIMEOUT": TIMEOUT},
-            }
-            BREAKERS.clear()
-            try:
-                with override_settings(CACHES={**settings.CACHES, "crash": cache}, TOKENBUCKET=tokenbucket):
-                    yield master, replica, sentinel
-            finally:
-                BREAKERS.clear()
+            with deciding_on(cache):
+                yield master, replica, sentinel
 
 
 def wait_for_replica(sentinel, master, replica) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -32,6 +33,7 @@ __all__ = [
     "checked_digests",
     "decide_all",
     "row_id",
+    "timeout_option",
 ]
 
 RowId = tuple[str, str]
@@ -428,3 +430,14 @@ class RecentDenials:
 #: The longest a denial is remembered (µs): a bucket emptied for hours is still picked
 #: up again by a later denial.
 _LONGEST_MEMORY = 3600 * 10**6
+
+
+def timeout_option(value: Any, setting: str = "TOKENBUCKET") -> float | None:
+    """Validate the ``TIMEOUT`` option: ``None`` or a positive, finite number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"{setting}['OPTIONS']['TIMEOUT'] must be None or a positive number of seconds, not {value!r}."
+        )
+    return float(value)

@@ -44,6 +44,7 @@ from ..base import (
     RowId,
     decide_all,
     row_id,
+    timeout_option,
 )
 from .deadline import Watch, watching
 from .operations import RowOperations
@@ -89,17 +90,6 @@ def _bound_connecting(connection: Any, timeout: float) -> None:
         return
     options = connection.settings_dict.setdefault("OPTIONS", {})
     options.setdefault("connect_timeout", max(2 if connection.vendor == "postgresql" else 1, math.ceil(timeout)))
-
-
-def timeout_option(value: Any, setting: str = "TOKENBUCKET") -> float | None:
-    """Validate the ``TIMEOUT`` option: ``None`` or a positive, finite number of seconds."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"{setting}['OPTIONS']['TIMEOUT'] must be None or a positive number of seconds, not {value!r}."
-        )
-    return float(value)
 
 
 def _valid_prepare(value: Any) -> bool:

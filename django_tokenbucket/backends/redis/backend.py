@@ -55,7 +55,7 @@ from ... import catalogue, clock
 from ...keys import EncodedKey
 from ...limits import LimitConfig
 from ...settings import tokenbucket_settings
-from ..base import BackendError, BaseBackend, Outcome, RecentDenials, Request, RowId, row_id
+from ..base import BackendError, BaseBackend, Outcome, RecentDenials, Request, RowId, row_id, timeout_option
 from .aio import AsyncioClients, missing_cache_error, not_django_redis_error
 from .bounded import (
     acluster_execute,
@@ -64,7 +64,6 @@ from .bounded import (
     expired,
     guarded,
     single_execute,
-    timeout_option,
 )
 from .checks import check_cache
 from .connections import ClusterConnectionFactory, _may_have_run, _pooled_connection, _single_server_pool

@@ -28,7 +28,6 @@ successor) again. A late reply or a dropped connection fails its call alone.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -60,7 +59,6 @@ __all__ = [
     "node_of",
     "refused",
     "single_execute",
-    "timeout_option",
 ]
 
 #: The first pause after ``CLUSTERDOWN`` or ``TRYAGAIN``, and the longest.
@@ -74,17 +72,6 @@ class DeadlineExceeded(RedisTimeoutError):
 
 class NodeUnavailable(RedisConnectionError):
     """The node holding the call's keys was found unreachable lately: failed without trying."""
-
-
-def timeout_option(value: Any, setting: str = "TOKENBUCKET") -> float | None:
-    """Validate the ``TIMEOUT`` option: ``None`` or a positive, finite number of seconds."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"{setting}['OPTIONS']['TIMEOUT'] must be None or a positive number of seconds, not {value!r}."
-        )
-    return float(value)
 
 
 def _mark(exc: BaseException, sent: bool) -> BaseException:

@@ -10,7 +10,7 @@ from django_redis import get_redis_connection
 
 from ... import catalogue
 from .. import is_django_redis
-from .bounded import timeout_option
+from ..base import timeout_option
 
 __all__ = ["check_cache"]
 
