@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 import pytest
+from celery.exceptions import Ignore
 from django.db import connection
 
 pytest.importorskip("celery")
@@ -310,3 +311,31 @@ def test_on_rabbitmq_with_the_tokens_in_redis(tables, workdir, rabbitmq, redis_s
     excess, at = admissions_over_time([row[2] for row in rows], published_at)
     assert excess <= 0, f"{excess:.2f} runs over capacity + rate x elapsed at {at:.3f} s"
     assert {row[4] for row in rows} == {"HeldTokens", "Reservation"}
+
+
+def _defer_in_this_process(key: str, task_id: str) -> None:
+    """Deliver limited_effect("x", tenant=key) as a worker would, here: it must defer."""
+    limit = limited_effect.tokenbucket_config()
+    limited_effect.push_request(
+        id=task_id, called_directly=False, is_eager=False, delivery_info={"exchange": "", "routing_key": QUEUE}
+    )
+    try:
+        with pytest.raises(Ignore):
+            limited_effect._take_or_defer(limit, key, 1, 1_000_000, ("x",), {"tenant": key})
+    finally:
+        limited_effect.pop_request()
+
+
+def test_a_deferral_racing_its_twin_gives_its_tokens_back(monkeypatch):
+    # The same message delivered twice at once: the second finds no deferral when it
+    # looks, reserves, and then meets the first one's row. Its tokens must come back.
+    task_id = str(uuid.uuid4())
+    with frozen_clock():
+        limiter.limit(TASKS_LIMIT, "twin", count=CAPACITY)
+        _defer_in_this_process("twin", task_id)
+        after_first = tokens("twin")
+        monkeypatch.setattr(RateLimitedTask, "_deferred_already", lambda self, objects, pk, alias: False)
+        _defer_in_this_process("twin", task_id)
+        assert tokens("twin") == after_first == -1
+    assert Reservation.objects.count() == 1
+    purge_broker()

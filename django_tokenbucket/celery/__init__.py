@@ -228,8 +228,9 @@ def _record_reservation(
 ) -> Reservation:
     """Record the reservation that ``status`` allowed and publish its task once the
     surrounding transaction commits. Called inside that transaction, right after the
-    decision: a rollback publishes nothing and returns the tokens (also when the
-    decision was ``tokens_committed`` in a transaction of its own)."""
+    decision: a rollback publishes nothing and returns the tokens. When the decision
+    was ``tokens_committed`` in a transaction of its own, a record that cannot be
+    written leaves the tokens to the caller to return, after the rollback."""
     alias = reservations.database_alias()
     shared = not tokens_committed and reservations.shares_transaction(alias, limit)
     # A failed-open store or a shadow limit that would deny reserved nothing.
@@ -258,7 +259,9 @@ def _record_reservation(
             refund_on_failure=refund_on_failure,
         )
     except BaseException:
-        if not shared and reserved:
+        # Tokens committed before this transaction are the caller's to return once it has
+        # rolled back: a refund inside a failed transaction would fail too.
+        if not shared and reserved and not tokens_committed:
             _undo_reservation(limit, encoded, reserved)
         raise
     pk = reservation.pk

@@ -27,7 +27,7 @@ from django.db import IntegrityError, transaction
 
 from ..api import limiter
 from ..limits import LimitConfig
-from . import _current, _dump_signature, _record_reservation, _send, reservations
+from . import _current, _dump_signature, _record_reservation, _send, _undo_reservation, reservations
 from .reservations import WAITING, HeldTokens, reservation_model
 
 __all__ = ["RateLimitedTask", "deferral_id"]
@@ -146,12 +146,13 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
         if unspent or not status.retry_after:
             return self._run_holding(unspent, limit, key, amount, args, kwargs)
         signature = _dump_signature(self.signature(args, kwargs, **self._same_route()))
+        encoded = limiter.encode_for(limit, key)
         try:
             with transaction.atomic(using=alias):
                 _record_reservation(
                     status,
                     limit,
-                    limiter.encode_for(limit, key),
+                    encoded,
                     count,
                     signature,
                     inline=False,
@@ -160,10 +161,12 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
                     pk=pk,
                     tokens_committed=True,
                 )
-        except IntegrityError:
-            # The same message, delivered twice at once: the other delivery deferred it
-            # (and this one's tokens went back with the rollback).
-            if objects.filter(pk=pk).exists():
+        except BaseException as exc:
+            # The decision committed on its own: its tokens go back now that the record's
+            # transaction has rolled back (the same message delivered twice at once, whose
+            # other delivery deferred it; or a record the database refused).
+            _undo_reservation(limit, encoded, amount)
+            if isinstance(exc, IntegrityError) and objects.filter(pk=pk).exists():
                 raise Ignore() from None
             raise
         logger.debug("task %s deferred by %.3f s for rate limit %r", self.request.id, status.retry_after, limit.name)
