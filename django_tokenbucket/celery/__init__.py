@@ -228,9 +228,8 @@ def _record_reservation(
 ) -> Reservation:
     """Record the reservation that ``status`` allowed and publish its task once the
     surrounding transaction commits. Called inside that transaction, right after the
-    decision: a rollback publishes nothing and returns the tokens. When the decision
-    was ``tokens_committed`` in a transaction of its own, a record that cannot be
-    written leaves the tokens to the caller to return, after the rollback."""
+    decision: a rollback publishes nothing and returns the tokens, except ``tokens_committed``
+    ones (decided in a transaction of their own): the caller returns those after the rollback."""
     alias = reservations.database_alias()
     shared = not tokens_committed and reservations.shares_transaction(alias, limit)
     # A failed-open store or a shadow limit that would deny reserved nothing.
@@ -259,8 +258,7 @@ def _record_reservation(
             refund_on_failure=refund_on_failure,
         )
     except BaseException:
-        # Tokens committed before this transaction are the caller's to return once it has
-        # rolled back: a refund inside a failed transaction would fail too.
+        # Committed tokens are the caller's to return after the rollback (a refund here would fail).
         if not shared and reserved and not tokens_committed:
             _undo_reservation(limit, encoded, reserved)
         raise
