@@ -12,11 +12,13 @@ more. See "Global task rate limits" in ``docs/celery.md``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import sys
 import uuid
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import Any
 
 from celery import Task
@@ -33,6 +35,9 @@ from .reservations import WAITING, HeldTokens, reservation_model
 __all__ = ["RateLimitedTask", "deferral_id"]
 
 logger = logging.getLogger("django_tokenbucket")
+
+#: kombu transports that set ``redelivered`` on every message delivered again.
+_REDELIVERY_FLAGGING_DRIVERS = frozenset({"amqp", "redis"})
 
 #: Deferrals of tasks whose ids are not UUIDs get one derived from the id.
 _DEFERRAL_NAMESPACE = uuid.UUID("0e1f6a52-3c57-4bd2-9a44-7f3bb1a1e2a9")
@@ -131,7 +136,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
         pk = deferral_id(self.request.id)
         alias = reservations.database_alias()
         objects = reservation_model().objects.using(alias)
-        if self._deferred_already(objects, pk, alias):
+        if self._maybe_delivered_before() and self._deferred_already(objects, pk, alias):
             raise Ignore()
         # The decision commits on its own, so that a hot limit's row (database backend)
         # is locked for one statement, not for the deferral's writes too: a flood of
@@ -147,8 +152,11 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
             return self._run_holding(unspent, limit, key, amount, args, kwargs)
         signature = _dump_signature(self.signature(args, kwargs, **self._same_route()))
         encoded = limiter.encode_for(limit, key)
+        # One INSERT needs no transaction of its own (two round trips fewer per deferral),
+        # unless it joins one that an IntegrityError must not break.
+        nested = transaction.get_connection(alias).in_atomic_block
         try:
-            with transaction.atomic(using=alias):
+            with transaction.atomic(using=alias) if nested else nullcontext():
                 _record_reservation(
                     status,
                     limit,
@@ -166,11 +174,21 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
             # transaction has rolled back (the same message delivered twice at once, whose
             # other delivery deferred it; or a record the database refused).
             _undo_reservation(limit, encoded, amount)
-            if isinstance(exc, IntegrityError) and objects.filter(pk=pk).exists():
+            if isinstance(exc, IntegrityError) and self._deferred_already(objects, pk, alias):
                 raise Ignore() from None
             raise
         logger.debug("task %s deferred by %.3f s for rate limit %r", self.request.id, status.retry_after, limit.name)
         raise Ignore()
+
+    def _maybe_delivered_before(self) -> bool:
+        """Return False only for a first delivery on a broker that flags redeliveries.
+
+        RabbitMQ and kombu's Redis transport mark every message they deliver again; other
+        transports may not, so every delivery there looks for its deferral first. A first
+        delivery that meets its twin's deferral anyway finds it when its own record fails.
+        """
+        info = self.request.delivery_info or {}
+        return bool(info.get("redelivered")) or not _flags_redeliveries(self.app)
 
     def _deferred_already(self, objects: Any, pk: uuid.UUID, alias: str) -> bool:
         """Return True when this message was deferred before (delivered again after its
@@ -224,6 +242,15 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
             raise
         finally:
             _current.reset(token)
+
+
+@functools.cache
+def _flags_redeliveries(app: Any) -> bool:
+    # Made without connecting: the transport class is all that is read.
+    try:
+        return app.connection_for_read().transport.driver_type in _REDELIVERY_FLAGGING_DRIVERS
+    except Exception:  # an unknown transport: look first, as for any that may not flag
+        return False
 
 
 def _static(task: Task, attribute: str) -> Any:
