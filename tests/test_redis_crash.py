@@ -21,15 +21,18 @@ doing. What is asserted does not depend on the machine's speed:
 The same crash under Sentinel (a master, its replica, one sentinel failing over after
 1 s of silence) holds to the same assertions; there every key is on the master.
 
-The figures (failure window, failed-call latency, healthy keys' latency) are printed
-(``make bench-failover``).
+The figures (failure window, failed-call latency, healthy keys' latency) are printed, and
+appended as JSON lines to the file ``TOKENBUCKET_FAILOVER_FIGURES`` names, if set
+(``make bench-failover``, benchmarks/suite/failover.py, writes them to docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import multiprocessing
+import os
 import threading
 import time
 from collections import Counter
@@ -312,6 +315,13 @@ def crash_under_load(api: str, dead, replica, ports: dict[str, int], dead_node: 
     return results, killer, figures
 
 
+def report(topology: str, figures: dict[str, Any]) -> None:
+    print(f"\nissue 34 {topology} crash ({figures['api']}): {figures}")
+    if path := os.environ.get("TOKENBUCKET_FAILOVER_FIGURES"):
+        with open(path, "a") as out:
+            out.write(json.dumps({"topology": topology, **figures}) + "\n")
+
+
 def assert_failed_fast_bounded_and_resumed(results, killer, figures) -> None:
     calls = [call for result in results for call in result["calls"]]
     # While a breaker was open, the calls it refused made no connection attempt.
@@ -355,7 +365,7 @@ def test_a_primary_killed_under_load_fails_fast_bounded_and_resumes(crash_cluste
     # The replica holds every write before the kill (all buckets were spent above).
     crash_cluster.wait_until_ok()
     results, killer, figures = crash_under_load(api, dead, replica, ports, f"127.0.0.1:{dead_port}")
-    print(f"\nissue 34 cluster crash ({api}): {figures}")
+    report("cluster", figures)
     assert_failed_fast_bounded_and_resumed(results, killer, figures)
 
 
@@ -413,5 +423,5 @@ def test_a_sentinel_master_killed_under_load_fails_fast_bounded_and_resumes(cras
     wait_for_replica(sentinel, master, replica)
     ports = dict.fromkeys(KEYS, master.port)
     results, killer, figures = crash_under_load(api, master, replica, ports, f"sentinel:{sentinel.service}")
-    print(f"\nissue 34 sentinel crash ({api}): {figures}")
+    report("sentinel", figures)
     assert_failed_fast_bounded_and_resumed(results, killer, figures)

@@ -41,6 +41,7 @@ django.setup()
 
 from django.db import connection  # noqa: E402
 
+from benchmarks.suite.report import replace_region  # noqa: E402
 from django_tokenbucket.models import Reservation  # noqa: E402
 from tests.celery_tasks import RUNS, TABLES, TASKS_LIMIT, limited_effect, native_limited, plain_effect  # noqa: E402
 from tests.celery_workers import CeleryProcess, purge_broker  # noqa: E402
@@ -169,15 +170,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_docs(page: Path, content: str) -> None:
-    text = page.read_text()
-    if text.count(BEGIN) != 1 or text.count(END) != 1:
-        raise SystemExit(f"{page}: needs exactly one {BEGIN} ... {END} region")
-    head, rest = text.split(BEGIN)
-    tail = rest.split(END, 1)[1]
-    page.write_text(f"{head}{BEGIN}\n{content}{END}{tail}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=200)
@@ -228,7 +220,7 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
     if args.docs:
-        write_docs(args.docs, markdown(result))
+        replace_region(args.docs, markdown(result), BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import PRIMARY, get_node_name
 from redis.exceptions import (
     AskError,
     ClusterDownError,
@@ -44,6 +45,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.utils import str_if_bytes
 
 from .breaker import BREAKERS, Breakers
 from .connections import _pooled_connection
@@ -216,8 +218,10 @@ def cluster_execute(
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             if getattr(exc, "tokenbucket_sent", True) or isinstance(exc, DeadlineExceeded):
                 raise  # the script may have run: never again
-            # Nothing was sent: read the topology (a replica may have taken the slot over)
-            # and go on if another node holds it now.
+            # Nothing was sent: go on if a replica has taken the slot over (see
+            # _slot_taken_over: asked of a live node, the topology read once it has).
+            if not _slot_taken_over(client, key, node.name, deadline, timeout, breakers):
+                raise
             nodes.initialize(last_failed_node_name=node.name)
             if client.get_node_from_key(key).name == node.name:
                 raise
@@ -306,16 +310,64 @@ async def acluster_execute(client: Any, key: str, *args: Any, breakers: Breakers
             if sent:
                 raise  # the script may have run: never again
             breakers.failed(node.name)
-            # Read the topology again (a replica may have taken the slot over), as redis-py
-            # would on its next command, and go on if another node holds the slot now.
-            client._initialize = True
-            await client.initialize(last_failed_node_name=node.name)
+            # Go on if a replica has taken the slot over (see _slot_taken_over); through the
+            # nodes manager, not the client, whose initialize() holds every other task's
+            # call behind its lock meanwhile, and closes every connection if it fails.
+            if not await _aslot_taken_over(client, key, node.name):
+                raise
+            await client.nodes_manager.initialize(last_failed_node_name=node.name)
             if client.get_node_from_key(key).name == node.name:
                 raise
             redirect = None
             continue
         breakers.succeeded(node.name)
         return reply
+
+
+def _slot_taken_over(
+    client: Any, key: str, failed: str, deadline: float, timeout: float, breakers: Breakers
+) -> bool:
+    """Whether a live primary of the cluster says that another node than ``failed`` now
+    serves ``key``'s slot (False when none answers: the slot is still failing).
+
+    redis-py's own way to find out, a read of the whole topology, makes every connection
+    of every node reconnect on its next use: the healthy nodes' calls would pay for each
+    probe of a dead node. One ``CLUSTER SLOTS`` asked of a live node costs them nothing.
+    """
+    for node in _live_primaries(client, failed):
+        pool = client.get_redis_connection(node).connection_pool
+        try:
+            ranges = _on_link(pool, [("CLUSTER", "SLOTS")], deadline, timeout, node.name, breakers)[-1]
+        except (RedisError, OSError):
+            continue
+        return _serves_elsewhere(client, key, ranges, node, failed)
+    return False
+
+
+async def _aslot_taken_over(client: Any, key: str, failed: str) -> bool:
+    """``_slot_taken_over`` for redis-py's asyncio cluster client."""
+    for node in _live_primaries(client, failed):
+        try:
+            ranges = await node.execute_command("CLUSTER SLOTS")
+        except (RedisError, OSError):
+            continue
+        return _serves_elsewhere(client, key, ranges, node, failed)
+    return False
+
+
+def _live_primaries(client: Any, failed: str) -> list[Any]:
+    return [n for n in list(client.nodes_manager.nodes_cache.values()) if n.name != failed and n.server_type == PRIMARY]
+
+
+def _serves_elsewhere(client: Any, key: str, ranges: Sequence[Any], asked: Any, failed: str) -> bool:
+    """Whether the ``CLUSTER SLOTS`` reply ``ranges`` of node ``asked`` gives ``key``'s slot
+    to another node than ``failed``."""
+    slot = client.keyslot(key)
+    for start, end, primary, *_replicas in ranges:
+        if int(start) <= slot <= int(end):
+            host = str_if_bytes(primary[0]) or asked.host
+            return get_node_name(*client.nodes_manager.remap_host_port(host, int(primary[1]))) != failed
+    return False
 
 
 async def aread(pool: Any, commands: Sequence[Sequence[Any]], *, guard: bool) -> list[Any] | None:
