@@ -206,7 +206,7 @@ def test_reset_all_keys_with_stdin_closed_is_a_no(monkeypatch):
     # "manage.py tokenbucket reset login < /dev/null", as from cron (issue 33).
     store("login", "a", 0)
     monkeypatch.setattr("sys.stdin", StringIO(""))
-    with pytest.raises(CommandError, match="reset cancelled: no answer on stdin; pass --yes to reset all 1 keys of 'login'"):
+    with pytest.raises(CommandError, match="reset cancelled: no answer on stdin; pass --yes to reset the 1 stored key of 'login'"):
         run("reset", "login")
     assert labels() == {"a"}
 
@@ -309,7 +309,7 @@ def test_reset_one_key_and_every_key_on_every_backend(ops):
     assert "Reset hot key 'a'" in run("reset", "hot", "a")
     assert limiter.get_value("hot", "a") == 40
     # 15 tokens of a shard holding 10: each call took from two shards, two buckets a key.
-    with pytest.raises(CommandError, match="refusing to reset all 4 keys of 'hot' without --yes"):
+    with pytest.raises(CommandError, match="refusing to reset all 4 stored keys of 'hot' without --yes"):
         run("reset", "hot", "--no-input")
     assert "Reset 4 key(s) of hot" in run("reset", "hot", "--yes")
     assert limiter.get_value("hot", "b") == 40 and limiter.get_value("hot", "c") == 40

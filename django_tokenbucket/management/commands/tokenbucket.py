@@ -321,15 +321,16 @@ class Command(BaseCommand):
         if total == 0:
             self.stdout.write(f"{limit.name}: no keys are stored; nothing to reset.")
             return
+        stored = "the 1 stored key" if total == 1 else f"all {total} stored keys"
         if not yes:
             if not interactive:
-                raise CommandError(f"refusing to reset all {total} keys of {limit.name!r} without --yes")
+                raise CommandError(f"refusing to reset {stored} of {limit.name!r} without --yes")
             try:
-                answer = input(f"Reset all {total} stored keys of {limit.name!r}? They start full again. [y/N] ")
+                answer = input(f"Reset {stored} of {limit.name!r}? They start full again. [y/N] ")
             except EOFError:
                 # Run from cron or CI, stdin is closed: no answer is a no.
                 raise CommandError(
-                    f"reset cancelled: no answer on stdin; pass --yes to reset all {total} keys of {limit.name!r}"
+                    f"reset cancelled: no answer on stdin; pass --yes to reset {stored} of {limit.name!r}"
                 ) from None
             if answer.strip().lower() not in ("y", "yes"):
                 raise CommandError("reset cancelled")
