@@ -22,6 +22,7 @@ pytest.importorskip("celery")
 from django_tokenbucket import limiter
 from django_tokenbucket.celery import RateLimitedTask, current_reservation
 from django_tokenbucket.celery.checks import check_rate_limited_tasks
+from django_tokenbucket.celery.signatures import load_signature
 from django_tokenbucket.celery.task import deferral_id
 from django_tokenbucket.models import RateLimit, Reservation
 from django_tokenbucket.testing import frozen_clock
@@ -313,17 +314,38 @@ def test_on_rabbitmq_with_the_tokens_in_redis(tables, workdir, rabbitmq, redis_s
     assert {row[4] for row in rows} == {"HeldTokens", "Reservation"}
 
 
-def _defer_in_this_process(key: str, task_id: str) -> None:
-    """Deliver limited_effect("x", tenant=key) as a worker would, here: it must defer."""
+def _defer_in_this_process(key: str, task_id: str, tag: Any = "x") -> None:
+    """Deliver limited_effect(tag, tenant=key) as a worker would, here: it must defer."""
     limit = limited_effect.tokenbucket_config()
     limited_effect.push_request(
         id=task_id, called_directly=False, is_eager=False, delivery_info={"exchange": "", "routing_key": QUEUE}
     )
     try:
         with pytest.raises(Ignore):
-            limited_effect._take_or_defer(limit, key, 1, 1_000_000, ("x",), {"tenant": key})
+            limited_effect._take_or_defer(limit, key, 1, 1_000_000, (tag,), {"tenant": key})
     finally:
         limited_effect.pop_request()
+
+
+def test_a_deferral_stores_arguments_postgresql_json_refuses():
+    # A NUL character (a submitted username may hold one): PostgreSQL's JSON refuses
+    # \u0000, and the deferred run must get the argument back as it was given.
+    tag = "nul\x00in the middle\x00"
+    with frozen_clock():
+        limiter.limit(TASKS_LIMIT, "nul", count=CAPACITY)
+        _defer_in_this_process("nul", str(uuid.uuid4()), tag)
+    assert load_signature(Reservation.objects.get().signature)["args"] == [tag]
+    purge_broker()
+
+
+def test_a_deferral_whose_arguments_cannot_be_stored_gives_its_tokens_back():
+    with frozen_clock():
+        limiter.limit(TASKS_LIMIT, "unstorable", count=CAPACITY)
+        before = tokens("unstorable")
+        with pytest.raises(TypeError, match="tests.limited_effect.*JSON-serializable"):
+            _defer_in_this_process("unstorable", str(uuid.uuid4()), object())
+        assert tokens("unstorable") == before
+    assert not Reservation.objects.exists()
 
 
 def test_a_deferral_racing_its_twin_gives_its_tokens_back(monkeypatch):

@@ -17,7 +17,6 @@ app config imports them when Celery is installed, so workers know them without a
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import math
 import random
@@ -31,8 +30,6 @@ try:
     from celery import current_app
     from celery.canvas import Signature
     from celery.exceptions import Ignore
-    from kombu.utils.json import dumps as kombu_dumps
-    from kombu.utils.json import loads as kombu_loads
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(
         f"django_tokenbucket.celery needs Celery: pip install 'dj-tokenbucket[celery]' ({exc})"
@@ -54,6 +51,7 @@ from ..settings import tokenbucket_settings
 from ..status import Status, ambiguous_truth
 from . import reservations
 from .reservations import CELERY_DEFAULTS, WAITING, HeldTokens, cancel, refund, reservation_model
+from .signatures import dump_signature, load_signature, publish_options
 
 if TYPE_CHECKING:
     from ..models import Reservation
@@ -189,7 +187,7 @@ def schedule(
     if not isinstance(jitter, (int, float)) or isinstance(jitter, bool) or not 0 <= jitter < math.inf:
         raise ValueError(f"jitter must be a number of seconds >= 0, not {jitter!r}")
     limit = limiter.resolve(name, config)
-    stored_signature = _dump_signature(sig)
+    stored_signature = dump_signature(sig)
     encoded = limiter.encode_for(limit, key)
 
     with transaction.atomic(using=reservations.database_alias()):
@@ -239,7 +237,7 @@ def _record_reservation(
     jitter_us = round(random.uniform(0, jitter) * MICRO) if jitter else 0
     eta = _EPOCH + timedelta(microseconds=now_us + wait_us + jitter_us)
     held = (eta - timezone.now()).total_seconds() > max_eta()
-    options = _options(stored_signature)
+    options = publish_options(stored_signature)
     try:
         reservation = reservation_model().objects.using(alias).create(
             **({} if pk is None else {"pk": pk}),
@@ -302,33 +300,6 @@ def _plain_signature(signature: Signature | Mapping[str, Any]) -> Signature:
             f"remove {', '.join(forbidden)} from the signature of {signature.task!r}"
         )
     return signature
-
-
-def _dump_signature(sig: Signature) -> dict[str, Any]:
-    """Return the signature as JSON, with Celery's own encoding of dates, UUIDs and decimals."""
-    data = {
-        "task": sig.task,
-        "args": list(sig.args or ()),
-        "kwargs": dict(sig.kwargs or {}),
-        "options": dict(sig.options or {}),
-    }
-    try:
-        stored: dict[str, Any] = json.loads(kombu_dumps(data))  # type: ignore[no-untyped-call]
-    except TypeError as exc:
-        raise TypeError(
-            f"the arguments and options of {sig.task!r} must be JSON-serializable to be stored: {exc}"
-        ) from None
-    return stored
-
-
-def _load_signature(stored: Mapping[str, Any]) -> dict[str, Any]:
-    loaded: dict[str, Any] = kombu_loads(json.dumps(stored))  # type: ignore[no-untyped-call]
-    return loaded
-
-
-def _options(stored: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the publishing options (queue, priority, time limits...) of a stored signature."""
-    return dict(_load_signature(stored).get("options") or {})
 
 
 def _send(pk: Any, eta: datetime, options: Mapping[str, Any]) -> None:
@@ -394,9 +365,9 @@ def run_reservation_work(task: Any, reservation_id: str) -> Any:
         _ignore(row.pk, row.status)
     if row.eta > timezone.now() and not task.request.is_eager:
         # Too early (published again without its ETA): the tokens do not exist yet.
-        _send(row.pk, row.eta, _options(row.signature))
+        _send(row.pk, row.eta, publish_options(row.signature))
         raise Ignore()
-    stored = _load_signature(row.signature)
+    stored = load_signature(row.signature)
     body = task.app.tasks[stored["task"]]
     args, kwargs = stored.get("args", ()), stored.get("kwargs", {})
     if row.atomic:
@@ -581,7 +552,7 @@ def _publish_batches(alias: str, queryset: Any, batch: int, now: datetime) -> tu
             done = []
             for row in rows:
                 try:
-                    _send(row.pk, row.eta, _options(row.signature))
+                    _send(row.pk, row.eta, publish_options(row.signature))
                 except Exception as exc:
                     logger.warning("reservation %s: publishing failed, next sweep retries: %s", row.pk, exc)
                     break

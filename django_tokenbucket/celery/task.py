@@ -29,8 +29,9 @@ from django.db import IntegrityError, transaction
 
 from ..api import limiter
 from ..limits import LimitConfig
-from . import _current, _dump_signature, _record_reservation, _send, _undo_reservation, reservations
+from . import _current, _record_reservation, _send, _undo_reservation, reservations
 from .reservations import WAITING, HeldTokens, reservation_model
+from .signatures import dump_signature
 
 __all__ = ["RateLimitedTask", "deferral_id"]
 
@@ -150,7 +151,6 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
         unspent = status.failed_open or status.would_deny
         if unspent or not status.retry_after:
             return self._run_holding(unspent, limit, key, amount, args, kwargs)
-        signature = _dump_signature(self.signature(args, kwargs, **self._same_route()))
         encoded = limiter.encode_for(limit, key)
         # One INSERT needs no transaction of its own (two round trips fewer per deferral),
         # unless it joins one that an IntegrityError must not break.
@@ -162,7 +162,8 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
                     limit,
                     encoded,
                     count,
-                    signature,
+                    # Arguments that cannot be stored fail inside: the tokens go back.
+                    dump_signature(self.signature(args, kwargs, **self._same_route())),
                     inline=False,
                     atomic=bool(self.acks_late),
                     refund_on_failure=self.tokenbucket_refund_on_failure,
