@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.suite.report import replace_region  # noqa: E402
+from benchmarks.suite.report import save  # noqa: E402
 
 BEGIN, END = "<!-- bench-failover:begin -->", "<!-- bench-failover:end -->"
 #: Issue 34's targets.
@@ -135,11 +135,7 @@ def main() -> None:
     }
     for line in verdicts(rows):
         print(line)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    if args.docs:
-        replace_region(args.docs, markdown(result), BEGIN, END)
+    save(result, markdown(result), args.json, args.docs, BEGIN, END)
 
 
 if __name__ == "__main__":

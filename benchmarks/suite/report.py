@@ -254,6 +254,16 @@ def replace_region(page: Path, content: str, begin: str = BEGIN, end: str = END)
     page.write_text(f"{head}{begin}\n{content}{end}{tail}")
 
 
+def save(result: dict[str, Any], content: str, json_path: Path | None, docs: Path | None, begin: str, end: str) -> None:
+    """Write a run's ``result`` as JSON to ``json_path`` and its Markdown ``content`` into the
+    ``begin`` ... ``end`` region of the page ``docs`` (each when given)."""
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2))
+    if docs:
+        replace_region(docs, content, begin, end)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("peers", help="the JSON of benchmarks/suite/peers.py")

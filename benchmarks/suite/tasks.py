@@ -41,7 +41,7 @@ django.setup()
 
 from django.db import connection  # noqa: E402
 
-from benchmarks.suite.report import replace_region  # noqa: E402
+from benchmarks.suite.report import save  # noqa: E402
 from django_tokenbucket.models import Reservation  # noqa: E402
 from tests.celery_tasks import RUNS, TABLES, TASKS_LIMIT, limited_effect, native_limited, plain_effect  # noqa: E402
 from tests.celery_workers import CeleryProcess, purge_broker  # noqa: E402
@@ -216,11 +216,7 @@ def main() -> None:
         purge_broker()
         connection.creation.destroy_test_db(database, verbosity=0)
     print(markdown(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    if args.docs:
-        replace_region(args.docs, markdown(result), BEGIN, END)
+    save(result, markdown(result), args.json, args.docs, BEGIN, END)
 
 
 if __name__ == "__main__":
