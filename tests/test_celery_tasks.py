@@ -342,7 +342,7 @@ def test_a_deferral_whose_arguments_cannot_be_stored_gives_its_tokens_back():
     with frozen_clock():
         limiter.limit(TASKS_LIMIT, "unstorable", count=CAPACITY)
         before = tokens("unstorable")
-        with pytest.raises(TypeError, match="tests.limited_effect.*JSON-serializable"):
+        with pytest.raises(TypeError, match=r"tests\.limited_effect.*JSON-serializable"):
             _defer_in_this_process("unstorable", str(uuid.uuid4()), object())
         assert tokens("unstorable") == before
     assert not Reservation.objects.exists()

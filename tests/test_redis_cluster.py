@@ -281,3 +281,36 @@ def test_a_failover_keeps_the_state_and_surfaces_no_error(cluster, redis_backend
         assert cluster.node_for_slot(slot, via=replica).port == replica.port
         assert redis_backend.script_reloads == reloads + 1  # the new master had never run the script
         replica_client.close()
+
+
+def test_a_slot_being_migrated_is_followed_through_ask_and_then_moved(cluster, redis_backend):
+    """A slot moved to another master as ``redis-cli --cluster reshard`` moves it: while the
+    key is already on the target and the slot still the source's, the source answers ASK
+    (the target serves the key after ASKING); once the slot is the target's, MOVED. The
+    bucket's state goes along, sync and asyncio, on both the redis-py path and TIMEOUT's."""
+    cluster.wait_until_ok()
+    client = redis_backend.client()
+    config = limiter.resolve("login")
+    key = redis_backend.key(config, encode_key("migrating"))
+    slot = client.keyslot(key)
+    source = cluster.node_for_slot(slot)
+    target = next(s for s in cluster.servers if s is not source and s.client().info("replication")["role"] == "master")
+    source_id, target_id = (s.client().execute_command("CLUSTER MYID").decode() for s in (source, target))
+    with frozen_clock(T0):
+        assert limiter.limit("login", "migrating", count=2).value == 3
+        target.client().execute_command("CLUSTER SETSLOT", slot, "IMPORTING", source_id)
+        source.client().execute_command("CLUSTER SETSLOT", slot, "MIGRATING", target_id)
+        source.client().execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", key)
+        assert [s.client().execute_command("CLUSTER COUNTKEYSINSLOT", slot) for s in (source, target)] == [0, 1]
+        # Mid-migration: the source answers ASK for the key it no longer holds.
+        assert limiter.limit("login", "migrating").value == 2
+        assert asyncio.run(limiter.alimit("login", "migrating")).value == 1
+        for server in cluster.servers:
+            if server.client().info("replication")["role"] == "master":
+                server.client().execute_command("CLUSTER SETSLOT", slot, "NODE", target_id)
+        cluster.wait_until_ok()
+        # Migrated: the slot is the target's, and a client that still sends it to the source is MOVED.
+        assert limiter.limit("login", "migrating").value == 0
+        assert not limiter.limit("login", "migrating").ok
+        assert not asyncio.run(limiter.alimit("login", "migrating")).ok
+    assert cluster.node_for_slot(slot).port == target.port
