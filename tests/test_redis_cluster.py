@@ -43,7 +43,7 @@ from .test_command import (  # noqa: F401  (the command's cases on every backend
 )
 from .test_conformance import *  # noqa: F403  (the conformance suite, run here on the cluster)
 
-pytestmark = pytest.mark.redis_processes
+pytestmark = [pytest.mark.redis_processes, pytest.mark.redis_cluster]
 
 T0 = 1_700_000_000.0
 FACTORY = "django_tokenbucket.backends.redis.ClusterConnectionFactory"
