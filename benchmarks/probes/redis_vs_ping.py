@@ -5,7 +5,7 @@ PING is the floor for any Redis call (one round trip, no work); the difference i
 the decision costs: building the arguments, the Lua script, and parsing the reply.
 Rounds of each kind alternate, so that both see the same machine load.
 
-    .venv/bin/python benchmarks/probes/redis_vs_ping.py                      # 127.0.0.1:6379, db 15
+    .venv/bin/python benchmarks/probes/redis_vs_ping.py                      # 127.0.0.1:6379, db 14
     .venv/bin/python benchmarks/probes/redis_vs_ping.py --url redis://host:6379/3 --seconds 5
     .venv/bin/python benchmarks/probes/redis_vs_ping.py --cluster redis://127.0.0.1:7000
     .venv/bin/python benchmarks/probes/redis_vs_ping.py --processes 4       # aggregate throughput
@@ -106,7 +106,9 @@ def cleanup() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="redis://127.0.0.1:6379/15", help="Redis URL (default: %(default)s)")
+    parser.add_argument(
+        "--url", default="redis://127.0.0.1:6379/14", help="Redis URL (default: %(default)s; 15 is the tests')"
+    )
     parser.add_argument("--cluster", metavar="URL", help="a Redis Cluster node's URL, instead of --url")
     parser.add_argument("--seconds", type=float, default=4.0, help="measuring time per process (default: 4)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default: 5)")
