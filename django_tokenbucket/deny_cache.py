@@ -204,9 +204,19 @@ def remember(
     outcome: Outcome,
     before: tuple[bool, int, int],
 ) -> None:
-    """Remember a denial the store just made (``before``: ``now()`` read before asking it)."""
+    """Remember a denial the store just made (``before``: ``now()`` read before asking it).
+
+    An admission forgets the key instead: it lowered the bucket, so a denial remembered
+    before it would extrapolate a value, and a wait, that the store no longer holds.
+    """
     decision, timestamp = outcome.decisions[0], outcome.now
-    if decision.allowed or decision.retry_after is None or decision.retry_after <= 0:
+    row = (limit.name, digest)
+    if decision.allowed:
+        if row in _entries:
+            with _lock:
+                _entries.pop(row, None)
+        return
+    if decision.retry_after is None or decision.retry_after <= 0:
         return
     pinned, learnt, epoch = before
     lifetime = min(decision.retry_after, settings.max_age)
@@ -226,7 +236,6 @@ def remember(
         pinned,
         lifetime,
     )
-    row = (limit.name, digest)
     with _lock:
         if epoch != _epoch:
             return  # something was reset meanwhile: this denial may predate it
