@@ -109,7 +109,7 @@ class Recalled:
     now: int
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     """A denial as the store reported it, and when this process learnt it."""
 

@@ -400,17 +400,17 @@ def test_a_bad_per_limit_opt_out_is_an_error():
 
 def test_bytes_per_entry(backend, clock):
     """What docs/security.md states: the memory of one remembered key (an entry, its
-    dict slot and key tuple; the digest string is the store's own, kept by reference)."""
+    dict slot, its key tuple and the key's digest string, which the entry keeps alive)."""
     keys = [f"k{n}" for n in range(2000)]
     config = limiter.resolve("login")
     store = get_backend()
     probe = limiter.check("login", "probe")
     outcome = Outcome([Decision(False, 0, 20 * MICRO, 60 * MICRO, None)], round(probe.timestamp * MICRO))
-    digests = [encode_key(k).digest for k in keys]
     tracemalloc.start()
     try:
         start = tracemalloc.take_snapshot()
-        for digest in digests:
+        for key in keys:
+            digest = encode_key(key).digest
             deny_cache.remember(
                 deny_cache.active(),
                 config,
@@ -427,4 +427,5 @@ def test_bytes_per_entry(backend, clock):
     per_entry = used / len(keys)
     print(f"deny cache: {per_entry:.0f} bytes per entry")
     assert 100 < per_entry < 1000
+    del digest
 
