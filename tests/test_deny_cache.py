@@ -429,3 +429,16 @@ def test_bytes_per_entry(backend, clock):
     assert 100 < per_entry < 1000
     del digest
 
+
+
+@pytest.mark.parametrize("path", ["/inline-ip/", "/async/", "/class/", "/api/default/", "/api/burst/"])
+def test_a_flood_on_a_view_is_refused_from_memory(client, clock, store_calls, path):
+    """@ratelimit (sync, async, class-based) and DRF throttles (one, and two scopes decided
+    together) reach the store no more once a key is known denied."""
+    codes = [client.get(path).status_code for _ in range(4)]
+    assert 429 in codes, codes
+    before = store_calls["n"]
+    flood = [client.get(path) for _ in range(5)]
+    assert [response.status_code for response in flood] == [429] * 5
+    assert all(response["Retry-After"] for response in flood)
+    assert store_calls["n"] == before
