@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
 from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
 
 from . import deny_cache, metrics, registry, signals
 from .algorithms import MICRO, Decision
@@ -402,7 +403,7 @@ class Limiter:
             for bucket, part in key_buckets(limit, encoded):
                 yield _Reset(limit, bucket, part)
         finally:
-            deny_cache.forget(limit.name, encoded.digest)
+            self._forget(limit, encoded)
 
     def _refunded(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Steps[Status]:
         """Refund ``amount`` micro-tokens; a sharded limit's go to its shards with the most room first.
@@ -414,7 +415,16 @@ class Limiter:
         try:
             return (yield from self._refunded_now(limit, encoded, amount, key))
         finally:
-            deny_cache.forget(limit.name, encoded.digest)
+            self._forget(limit, encoded)
+
+    def _forget(self, limit: LimitConfig, encoded: EncodedKey) -> None:
+        """Forget a key given tokens back, now and, inside a transaction, when it commits:
+        until then other connections read the bucket as it was, and a denial this process
+        learns from them meanwhile would outlive the commit."""
+        deny_cache.forget(limit.name, encoded.digest)
+        alias = self.backend(limit).database_alias()
+        if alias is not None and transaction.get_connection(alias).in_atomic_block:
+            transaction.on_commit(lambda: deny_cache.forget(limit.name, encoded.digest), using=alias)
 
     def _refunded_now(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Steps[Status]:
         if limit.shards == 1:
@@ -483,6 +493,8 @@ class Limiter:
         outcome = yield _Decide(limit, [request], apply=apply)
         if memory is not None and outcome is not None:
             deny_cache.remember(memory, limit, store, request.key.digest, request.count, outcome, before)
+        elif outcome is not None and apply and outcome.decisions[0].allowed:
+            deny_cache.admitted(limit.name, request.key.digest)
         return self._one_status(limit, key, count, request.count, outcome, apply=apply, throws=throws)
 
     def _decide_one(
@@ -543,6 +555,8 @@ class Limiter:
                 recorder.store_seconds(self._store_label(limit), time.perf_counter() - started)
         if memory is not None and outcome is not None:
             deny_cache.remember(memory, limit, store, request.key.digest, request.count, outcome, before)
+        elif outcome is not None and apply and outcome.decisions[0].allowed:
+            deny_cache.admitted(limit.name, request.key.digest)
         return self._one_status(limit, key, count, request.count, outcome, apply=apply, throws=throws)
 
     def _resolve_one(self, name: str, reserve: bool, config: ConfigSpec | LimitConfig | None) -> LimitConfig:
@@ -675,10 +689,17 @@ class Limiter:
         outcome: Outcome | None,
         before: tuple[bool, int, int],
     ) -> None:
-        """Remember the denials of an all-or-nothing call's enforced limits."""
+        """Remember the denials of an all-or-nothing call's enforced limits, and forget
+        the keys it admitted on."""
         memory = deny_cache.active()
         if memory is None or outcome is None:
             return
+        if all(decision.allowed for decision in outcome.decisions):
+            for i in group:
+                deny_cache.admitted(requests[i].config.name, requests[i].key.digest)
+            return
+        if any(limits[i].shards > 1 for i in group):
+            return  # its parts' decisions are not one per limit (and a sharded limit is never remembered)
         # A key asked twice in one call is decided after the call's own first take, which
         # the store never applied when the call was denied: only a key asked once says
         # what its bucket holds.

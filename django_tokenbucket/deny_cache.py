@@ -46,6 +46,7 @@ __all__ = [
     "Recalled",
     "Settings",
     "active",
+    "admitted",
     "cacheable",
     "clear",
     "forget",
@@ -181,10 +182,19 @@ def lookup(limit: LimitConfig, store: object, digest: str, count: int) -> Recall
         windows_more = -(-(count - value) // limit.rate) - -(-(entry.count - value) // limit.rate)
         retry_after = entry.retry_after + windows_more * limit.period - elapsed
     else:
-        value = min(limit.capacity, entry.value + limit.rate * elapsed // limit.period)
-        # The store's wait is measured to a fixed moment; a larger count adds its refill
-        # time, rounded up as the store rounds (at most 1 µs longer than the store's).
-        extra = algorithm.refill_time(count - entry.count, limit.rate, limit.period) if count > entry.count else 0
+        gained = limit.rate * elapsed
+        more = count - entry.count
+        # The store keeps a fraction of a micro-token (the refill phase) that its answer
+        # rounds away, so memory may say a micro-token less, and a larger count's wait a
+        # microsecond more, than the store would. On a real clock that is far below what
+        # measuring elapsed time on this process' clock rather than the store's leaves
+        # open anyway; a pinned clock (tests) pins the store's time exactly, and there
+        # memory answers only what it extrapolates exactly.
+        if pinned and (gained % limit.period or more * limit.period % limit.rate):
+            return None
+        value = min(limit.capacity, entry.value + gained // limit.period)
+        # The store's wait is measured to a fixed moment; a larger count adds its refill time.
+        extra = algorithm.refill_time(more, limit.rate, limit.period) if more else 0
         retry_after = entry.retry_after + extra - elapsed
     decision = Decision(False, value, retry_after, max(0, entry.full_after - elapsed), None)
     return Recalled(decision, entry.timestamp + elapsed)
@@ -212,11 +222,16 @@ def remember(
     decision, timestamp = outcome.decisions[0], outcome.now
     row = (limit.name, digest)
     if decision.allowed:
-        if row in _entries:
-            with _lock:
-                _entries.pop(row, None)
+        admitted(limit.name, digest)
         return
-    if decision.retry_after is None or decision.retry_after <= 0:
+    if decision.retry_after is None or decision.retry_after <= 0 or decision.state is not None:
+        return  # (a state to write: the clock went back and the store rebased the bucket)
+    algorithm = limit.algorithm
+    if not algorithm.phased and decision.retry_after > algorithm.refill_time(
+        count - decision.value, limit.rate, limit.period
+    ):
+        # Only a clock behind the bucket's last write waits longer than the refill: the
+        # store decided at that write's time, which this process cannot extrapolate from.
         return
     pinned, learnt, epoch = before
     lifetime = min(decision.retry_after, settings.max_age)
@@ -243,6 +258,15 @@ def remember(
         while len(_entries) >= settings.max_keys:
             _entries.popitem(last=False)
         _entries[row] = entry
+
+
+def admitted(name: str, digest: str) -> None:
+    """Forget a key the store just admitted on (a reservation too): the bucket is lower
+    than a remembered denial would extrapolate."""
+    row = (name, digest)
+    if row in _entries:
+        with _lock:
+            _entries.pop(row, None)
 
 
 def forget(name: str, digest: str) -> None:

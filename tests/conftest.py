@@ -145,6 +145,17 @@ def _forget_denials():
 
 
 @pytest.fixture
+def without_deny_cache(monkeypatch):
+    """Every call goes to the store, as in a process that has not seen the key denied
+    (``DENY_CACHE`` off): for the cases of what a store does with a key denied lately.
+    Switched off here rather than with ``override_settings``, which would build the
+    test's backend again."""
+    from django_tokenbucket import deny_cache  # after Django is set up: it imports settings
+
+    monkeypatch.setattr(deny_cache, "active", lambda: None)
+
+
+@pytest.fixture
 def redis_store():
     """TOKENBUCKET overrides for the Redis backend on the ``redis`` cache; deletes this run's keys around the test."""
     from .redis_servers import delete_keys

@@ -44,7 +44,7 @@ LIMITS = {
     "slow": {"rate": 1, "period": 3600},
 }
 #: Long enough for the pinned clock's steps below (the cross-process case sets its own).
-MAX_AGE = 600
+MAX_AGE = 720
 
 
 class AsyncAPI:
@@ -122,9 +122,11 @@ def test_a_denied_key_is_answered_from_memory_as_the_store_would(api, clock, sto
 
 def test_memory_never_admits_and_ends_when_the_call_would_succeed(api, clock, store_calls):
     denied = exhaust(api)
-    clock.advance(denied.retry_after - 1e-6)
+    # "login" gains a micro-token every 20 µs: memory answers a pinned clock at those steps
+    # only, where its figures are exact (test_a_pinned_clock_is_answered_exactly_or_not_at_all).
+    clock.advance(denied.retry_after - 20e-6)
     assert api.limit("login", "k").cached
-    clock.advance(1e-6)
+    clock.advance(20e-6)
     before = store_calls["n"]
     status = api.limit("login", "k")
     assert status.ok and not status.cached and store_calls["n"] == before + 1
@@ -132,13 +134,23 @@ def test_memory_never_admits_and_ends_when_the_call_would_succeed(api, clock, st
 
 def test_an_entry_ends_at_max_age(api, clock, store_calls):
     exhaust(api, "slow", tokens=1)  # a wait of an hour
-    clock.advance(MAX_AGE - 1e-6)
+    clock.advance(MAX_AGE - 0.0036)  # a micro-token every 3.6 ms
     assert api.limit("slow", "k").cached
-    clock.advance(1e-6)
+    clock.advance(0.0036)
     before = store_calls["n"]
     status = api.limit("slow", "k")
     assert not status.ok and not status.cached and store_calls["n"] == before + 1
     assert api.limit("slow", "k").cached  # learnt again
+
+
+def test_a_pinned_clock_is_answered_exactly_or_not_at_all(api, clock, store_calls):
+    exhaust(api)
+    clock.advance(1e-6)  # a twentieth of a micro-token: the store's rounding cannot be known
+    before = store_calls["n"]
+    status = api.limit("login", "k")
+    assert not status.cached and store_calls["n"] == before + 1
+    clock.advance(20e-6)  # a whole micro-token after the denial just learnt again
+    assert api.limit("login", "k").cached
 
 
 def test_a_smaller_count_or_a_reservation_goes_to_the_store(api, clock, store_calls):
@@ -263,7 +275,7 @@ def test_replayed_traces_match_the_store(api, backend, clock):
         model = {}
         cached = 0
         for step in range(80):
-            clock.advance(rng.choice([0, 0.001, 0.37, 1.5, 7, 20.000001]))
+            clock.advance(rng.choice([0, 0.001, 0.37, 1.5, 7, 20.000001, 20.00002]))
             count = rng.choice([1, 1, 2, 3])
             apply = rng.random() < 0.8
             now = round(clock.now * MICRO)
@@ -442,3 +454,12 @@ def test_a_flood_on_a_view_is_refused_from_memory(client, clock, store_calls, pa
     assert [response.status_code for response in flood] == [429] * 5
     assert all(response["Retry-After"] for response in flood)
     assert store_calls["n"] == before
+
+
+def test_a_clock_behind_the_last_write_is_not_remembered(api, clock):
+    clock.advance(10)
+    exhaust(api)
+    deny_cache.clear()
+    clock.advance(-1)  # behind the bucket's last write, within the skew the store tolerates
+    denied = api.limit("login", "k")
+    assert not denied.ok and deny_cache.size() == 0
