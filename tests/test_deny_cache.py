@@ -20,7 +20,7 @@ from django.conf import settings
 from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
-from django.db import connections
+from django.db import connections, transaction
 from django.test import override_settings
 
 from django_tokenbucket import LimitRequest, deny_cache, limiter, operations
@@ -30,6 +30,7 @@ from django_tokenbucket.backends.base import Outcome, Request, decide_all
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.testing import frozen_clock
 
+from .concurrency import in_another_thread
 from .settings import TOKENBUCKET as BASE_SETTINGS
 from .test_conformance import BACKENDS, store_overrides
 
@@ -463,3 +464,18 @@ def test_a_clock_behind_the_last_write_is_not_remembered(api, clock):
     clock.advance(-1)  # behind the bucket's last write, within the skew the store tolerates
     denied = api.limit("login", "k")
     assert not denied.ok and deny_cache.size() == 0
+
+
+@pytest.mark.parametrize("backend", ["database"], indirect=True)
+def test_a_refund_inside_a_transaction_is_forgotten_again_at_commit(backend):
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("needs a read that waits for no lock while the refund is uncommitted (PostgreSQL)")
+    with frozen_clock(T0):
+        exhaust(limiter)
+        with transaction.atomic():
+            limiter.refund("login", "k", 1)
+            # Another connection reads the bucket as committed, empty: this process learns a denial.
+            denied = in_another_thread(lambda: limiter.check("login", "k"))
+            assert not denied.ok and deny_cache.size() == 1
+        status = limiter.limit("login", "k")
+        assert status.ok and not status.cached
