@@ -22,6 +22,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.db import connections, transaction
 from django.test import override_settings
+from django.urls import reverse
 
 from django_tokenbucket import LimitRequest, deny_cache, limiter, operations
 from django_tokenbucket.algorithms import MICRO, Decision
@@ -479,3 +480,14 @@ def test_a_refund_inside_a_transaction_is_forgotten_again_at_commit(backend):
             assert not denied.ok and deny_cache.size() == 1
         status = limiter.limit("login", "k")
         assert status.ok and not status.cached
+
+
+@pytest.mark.parametrize("backend", ["database"], indirect=True)
+def test_the_admin_shows_how_many_keys_this_process_holds(backend, clock, admin_client):
+    for key in ("a", "b"):
+        exhaust(limiter, key=key)
+    page = admin_client.get(reverse("admin:django_tokenbucket_ratelimit_changelist"))
+    assert "answers 2 keys known to be denied from memory" in page.content.decode()
+    with override_settings(TOKENBUCKET={**_current(), "DENY_CACHE": False}):
+        page = admin_client.get(reverse("admin:django_tokenbucket_ratelimit_changelist"))
+        assert "known to be denied from memory" not in page.content.decode()
