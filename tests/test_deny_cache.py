@@ -491,3 +491,10 @@ def test_the_admin_shows_how_many_keys_this_process_holds(backend, clock, admin_
     with override_settings(TOKENBUCKET={**_current(), "DENY_CACHE": False}):
         page = admin_client.get(reverse("admin:django_tokenbucket_ratelimit_changelist"))
         assert "known to be denied from memory" not in page.content.decode()
+
+
+def test_frozen_clock_starts_with_an_empty_memory(backend, clock):
+    exhaust(limiter)
+    assert deny_cache.size() == 1
+    with frozen_clock(T0):
+        assert deny_cache.size() == 0
