@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
 from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
 
-from . import metrics, registry, signals
+from . import deny_cache, metrics, registry, signals
 from .algorithms import MICRO, Decision
 from .backends import get_backend
 from .backends.base import BackendError, BaseBackend, Outcome, Request
@@ -395,14 +396,37 @@ class Limiter:
     def _reset(self, name: str, key: object, config: ConfigSpec | None) -> Steps[None]:
         limit = self.resolve(name, config)
         encoded = self.encode_for(limit, key)
-        for bucket, part in key_buckets(limit, encoded):
-            yield _Reset(limit, bucket, part)
+        # Before, so that no call of this process answers from memory meanwhile; after,
+        # so that a denial decided while the reset was under way is not kept.
+        deny_cache.forget(limit.name, encoded.digest)
+        try:
+            for bucket, part in key_buckets(limit, encoded):
+                yield _Reset(limit, bucket, part)
+        finally:
+            self._forget(limit, encoded)
 
     def _refunded(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Steps[Status]:
         """Refund ``amount`` micro-tokens; a sharded limit's go to its shards with the most room first.
 
         Each shard gets at most its capacity back, as a refund to one bucket is capped.
         """
+        # As ``_reset`` does: tokens given back make a remembered denial wrong.
+        deny_cache.forget(limit.name, encoded.digest)
+        try:
+            return (yield from self._refunded_now(limit, encoded, amount, key))
+        finally:
+            self._forget(limit, encoded)
+
+    def _forget(self, limit: LimitConfig, encoded: EncodedKey) -> None:
+        """Forget a key given tokens back, now and, inside a transaction, when it commits:
+        until then other connections read the bucket as it was, and a denial this process
+        learns from them meanwhile would outlive the commit."""
+        deny_cache.forget(limit.name, encoded.digest)
+        alias = self.backend(limit).database_alias()
+        if alias is not None and transaction.get_connection(alias).in_atomic_block:
+            transaction.on_commit(lambda: deny_cache.forget(limit.name, encoded.digest), using=alias)
+
+    def _refunded_now(self, limit: LimitConfig, encoded: EncodedKey, amount: int, key: object) -> Steps[Status]:
         if limit.shards == 1:
             outcome = yield _Refund(limit, limit, encoded, amount)
             return self._status(limit, key, amount, outcome.decisions[0], outcome.now)
@@ -459,7 +483,18 @@ class Limiter:
             statuses = yield from self._many([item], apply=apply, throws=throws)
             return statuses[0]
         request = self._one_request(limit, key, count, reserve)
+        memory = _memory_for(limit, reserve)
+        if memory is not None:
+            store = self.backend(limit)
+            recalled = deny_cache.lookup(limit, store, request.key.digest, request.count)
+            if recalled is not None:
+                return self._one_status(limit, key, count, request.count, recalled, apply=apply, throws=throws)
+            before = deny_cache.now()
         outcome = yield _Decide(limit, [request], apply=apply)
+        if memory is not None and outcome is not None:
+            deny_cache.remember(memory, limit, store, request.key.digest, request.count, outcome, before)
+        elif outcome is not None and apply and outcome.decisions[0].allowed:
+            deny_cache.admitted(limit.name, request.key.digest)
         return self._one_status(limit, key, count, request.count, outcome, apply=apply, throws=throws)
 
     def _decide_one(
@@ -501,16 +536,27 @@ class Limiter:
         self, limit: LimitConfig, key: object, count: int | float, reserve: bool, *, apply: bool, throws: bool
     ) -> Status:
         request = self._one_request(limit, key, count, reserve)
+        store = self.backend(limit)
+        memory = _memory_for(limit, reserve)
+        if memory is not None:
+            recalled = deny_cache.lookup(limit, store, request.key.digest, request.count)
+            if recalled is not None:
+                return self._one_status(limit, key, count, request.count, recalled, apply=apply, throws=throws)
+            before = deny_cache.now()
         recorder = metrics.active()
         started = time.perf_counter() if recorder is not None else 0.0
         try:
-            outcome: Outcome | None = self.backend(limit).decide([request], apply=apply)
+            outcome: Outcome | None = store.decide([request], apply=apply)
         except BackendError as exc:
             self._store_failed(_Decide(limit, [request], apply=apply), exc)
             outcome = None
         finally:
             if recorder is not None:
                 recorder.store_seconds(self._store_label(limit), time.perf_counter() - started)
+        if memory is not None and outcome is not None:
+            deny_cache.remember(memory, limit, store, request.key.digest, request.count, outcome, before)
+        elif outcome is not None and apply and outcome.decisions[0].allowed:
+            deny_cache.admitted(limit.name, request.key.digest)
         return self._one_status(limit, key, count, request.count, outcome, apply=apply, throws=throws)
 
     def _resolve_one(self, name: str, reserve: bool, config: ConfigSpec | LimitConfig | None) -> LimitConfig:
@@ -528,14 +574,17 @@ class Limiter:
         key: object,
         count: int | float,
         micro: int,
-        outcome: Outcome | None,
+        outcome: Outcome | deny_cache.Recalled | None,
         *,
         apply: bool,
         throws: bool,
     ) -> Status:
-        """Return the Status of one limit's decision (None: failed open), reported and raised as asked."""
+        """Return the Status of one limit's decision (None: failed open; a ``Recalled``
+        denial: from memory), reported and raised as asked."""
         if outcome is None:
             status = self._failed_open(limit, key, count)
+        elif isinstance(outcome, deny_cache.Recalled):
+            status = self._status(limit, key, micro, outcome.decision, outcome.now, cached=True)
         else:
             status = self._status(limit, key, micro, outcome.decisions[0], outcome.now)
         if apply:
@@ -558,6 +607,9 @@ class Limiter:
             requests.append(Request(limit, self.encode_for(limit, item.key), count, item.reserve))
         if self._own_backend is None:
             one_backend(limits)
+        recalled = self._recall_many(limits, requests, items)
+        if recalled is not None:
+            return self._many_result(recalled, limits, apply=apply, throws=throws)
 
         statuses: list[Status | None] = [None] * len(items)
         planned = yield from self._plan_shards(requests)
@@ -575,7 +627,10 @@ class Limiter:
                 continue
             group_apply = apply and (group is enforced or all(statuses[i].ok for i in enforced))  # type: ignore[union-attr]
             group_requests = [part for i in group for part in parts[i]]
+            before = deny_cache.now()
             outcome = yield _Decide(limits[group[0]], group_requests, apply=group_apply)
+            if outcome is not None and group is enforced:
+                self._remember_many(limits, requests, group, outcome, before)
             position = 0
             for i in group:
                 if outcome is None:
@@ -587,6 +642,11 @@ class Limiter:
                     decisions[0] if limits[i].shards == 1 else _sharded_decision(limits[i], decisions, untouched[i])
                 )
                 statuses[i] = self._status(limits[i], items[i].key, requests[i].count, decision, outcome.now)
+        return self._many_result(statuses, limits, apply=apply, throws=throws)
+
+    def _many_result(
+        self, statuses: Sequence[Status | None], limits: Sequence[LimitConfig], *, apply: bool, throws: bool
+    ) -> MultiStatus:
         result = MultiStatus([status for status in statuses if status is not None])
         if apply:
             self._report(result, limits)
@@ -594,6 +654,67 @@ class Limiter:
             denied = result.denied[0]
             raise RateLimited(denied.name, denied.key, result.retry_after, denied)
         return result
+
+    def _recall_many(
+        self, limits: list[LimitConfig], requests: list[Request], items: list[LimitRequest]
+    ) -> list[Status] | None:
+        """Return the statuses of a call that memory knows one of its limits denies; None
+        when none is known denied (the call goes to the store).
+
+        All-or-nothing, the whole call is denied and spends nothing; its other limits
+        were not asked, so their statuses say nothing of them (``_undecided``).
+        """
+        memory = deny_cache.active()
+        if memory is None:
+            return None
+        statuses: list[Status] = []
+        denied = False
+        for limit, request, item in zip(limits, requests, items):
+            recalled = None
+            if deny_cache.cacheable(limit, request.reserve):
+                recalled = deny_cache.lookup(limit, self.backend(limit), request.key.digest, request.count)
+            if recalled is None:
+                statuses.append(_undecided(limit, item.key, request.count))
+            else:
+                denied = True
+                decision, now = recalled.decision, recalled.now
+                statuses.append(self._status(limit, item.key, request.count, decision, now, cached=True))
+        return statuses if denied else None
+
+    def _remember_many(
+        self,
+        limits: list[LimitConfig],
+        requests: list[Request],
+        group: list[int],
+        outcome: Outcome | None,
+        before: tuple[bool, int, int],
+    ) -> None:
+        """Remember the denials of an all-or-nothing call's enforced limits, and forget
+        the keys it admitted on."""
+        memory = deny_cache.active()
+        if memory is None or outcome is None:
+            return
+        if all(decision.allowed for decision in outcome.decisions):
+            for i in group:
+                deny_cache.admitted(requests[i].config.name, requests[i].key.digest)
+            return
+        if any(limits[i].shards > 1 for i in group):
+            return  # its parts' decisions are not one per limit (and a sharded limit is never remembered)
+        # A key asked twice in one call is decided after the call's own first take, which
+        # the store never applied when the call was denied: only a key asked once says
+        # what its bucket holds.
+        rows = [(requests[i].config.name, requests[i].key.digest) for i in group]
+        for position, i in enumerate(group):
+            if rows.count(rows[position]) == 1 and deny_cache.cacheable(limits[i], requests[i].reserve):
+                deny_cache.remember(
+                    memory,
+                    limits[i],
+                    self.backend(limits[i]),
+                    requests[i].key.digest,
+                    requests[i].count,
+                    Outcome([outcome.decisions[position]], outcome.now),
+                    before,
+                )
 
     def _plan_shards(self, requests: list[Request]) -> Steps[tuple[list[list[Request]], list[int]] | None]:
         """Return the requests to run for each one given, and what its other shard read.
@@ -764,7 +885,9 @@ class Limiter:
         return limit.backend if self._own_backend is None else type(self._own_backend).__name__
 
     @staticmethod
-    def _status(limit: LimitConfig, key: object, count: int, decision: Decision, now: int) -> Status:
+    def _status(
+        limit: LimitConfig, key: object, count: int, decision: Decision, now: int, cached: bool = False
+    ) -> Status:
         shadow = limit.shadow
         return Status._decided(
             ok=decision.allowed or shadow,
@@ -780,6 +903,7 @@ class Limiter:
             timestamp=now / MICRO,
             shadow=shadow,
             would_deny=shadow and not decision.allowed,
+            cached=cached,
         )
 
     @staticmethod
@@ -806,11 +930,40 @@ def _outcome(status: Status, all_ok: bool) -> str | None:
     limit of its all-or-nothing call refused (it took nothing)."""
     if status.failed_open:
         return metrics.FAILED_OPEN
+    if status.cached:
+        return metrics.DENIED_CACHED
     if status.would_deny:
         return metrics.SHADOW_DENIED
     if not status.ok:
         return metrics.DENIED
     return metrics.ALLOWED if all_ok else None
+
+
+def _memory_for(limit: LimitConfig, reserve: bool) -> deny_cache.Settings | None:
+    """Return the deny cache's setting when a call on ``limit`` may use it, else None."""
+    memory = deny_cache.active()
+    if memory is None or not deny_cache.cacheable(limit, reserve):
+        return None
+    return memory
+
+
+def _undecided(limit: LimitConfig, key: object, count: int) -> Status:
+    """The Status of a limit that a call denied from memory did not ask: it took nothing,
+    and what it holds is unknown (``value`` None, as when a store fails open)."""
+    return Status(
+        ok=True,
+        name=limit.name,
+        key=key,
+        count=count / MICRO,
+        value=None,
+        retry_after=None,
+        reset_after=None,
+        capacity=limit.capacity_tokens,
+        rate=limit.rate_tokens,
+        period=limit.period_seconds,
+        timestamp=None,
+        shadow=limit.shadow,
+    )
 
 
 def _wait_for(limit: LimitConfig, status: Status) -> float:

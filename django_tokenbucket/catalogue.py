@@ -122,6 +122,12 @@ E050 = Check(
     "None (off), 'prometheus' (pip install 'dj-tokenbucket[prometheus]') or 'opentelemetry' "
     "(pip install 'dj-tokenbucket[opentelemetry]').",
 )
+E051 = Check(
+    "E051",
+    "{error}.",
+    "For example TOKENBUCKET['DENY_CACHE'] = {{'MAX_AGE': 1.0, 'MAX_KEYS': 100_000}}, or False to turn "
+    "the deny cache off (docs/settings.md#deny_cache).",
+)
 W002 = Check("W002", "TOKENBUCKET has unknown setting(s): {names}.", "Known settings: {known}.")
 W003 = Check(
     "W003",

@@ -11,7 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.urls import get_resolver
 from django.utils.module_loading import import_string
 
-from . import catalogue
+from . import catalogue, deny_cache
 from .backends import backend_class
 from .decorators import declared_limits, declared_stacks
 from .ip import ip_settings_problems
@@ -103,6 +103,10 @@ def _check_operations(user: dict[str, Any]) -> list[checks.CheckMessage]:
     metrics = metrics_problem(user.get("METRICS", DEFAULTS["METRICS"]))
     if metrics is not None:
         errors.append(catalogue.E050(problem=metrics))
+    try:
+        deny_cache.parse(user.get("DENY_CACHE", DEFAULTS["DENY_CACHE"]))
+    except ValueError as exc:
+        errors.append(catalogue.E051(error=exc))
     return errors
 
 

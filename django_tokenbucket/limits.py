@@ -26,7 +26,18 @@ from .rates import parse_period, parse_rate, shown, to_fraction
 
 __all__ = ["FIXED_WINDOW", "MAX_SHARDS", "TOKEN_BUCKET", "LimitConfig", "count_to_micro", "parse_limit", "to_micro"]
 
-_KNOWN_KEYS = {"kind", "rate", "period", "capacity", "max_reserved", "start", "shadow", "shards", "backend"}
+_KNOWN_KEYS = {
+    "kind",
+    "rate",
+    "period",
+    "capacity",
+    "max_reserved",
+    "start",
+    "shadow",
+    "shards",
+    "backend",
+    "deny_cache",
+}
 #: The alias of the backend a limit is stored on when it names none.
 DEFAULT_BACKEND_ALIAS = "default"
 #: More shards than this spread a limit thinner than any deployment needs.
@@ -66,6 +77,10 @@ class LimitConfig:
     shards: int = 1
     #: The alias in ``TOKENBUCKET["BACKENDS"]`` of the store that holds this limit.
     backend: str = DEFAULT_BACKEND_ALIAS
+    #: Whether this process may answer a key known to be denied from memory
+    #: (``django_tokenbucket.deny_cache``); False for a limit whose resets must be seen
+    #: by every process at once.
+    deny_cache: bool = True
 
     @property
     def period_seconds(self) -> float:
@@ -330,6 +345,10 @@ def _parse_spec(name: str, spec: object) -> LimitConfig:
             f"(a millionth of a token); choose a number of shards that divides them"
         )
 
+    deny_cache = spec.get("deny_cache", True)
+    if not isinstance(deny_cache, bool):
+        raise ValueError(f"deny_cache must be True or False, not {deny_cache!r}")
+
     backend = spec.get("backend", DEFAULT_BACKEND_ALIAS)
     if not isinstance(backend, str) or not backend:
         raise ValueError(f"backend must be an alias in TOKENBUCKET['BACKENDS'] (a str), not {backend!r}")
@@ -345,6 +364,7 @@ def _parse_spec(name: str, spec: object) -> LimitConfig:
         max_reserved=max_reserved,
         start=start,
         shards=shards,
+        deny_cache=deny_cache,
     )
 
 

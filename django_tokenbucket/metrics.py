@@ -60,15 +60,17 @@ KINDS = {"prometheus": "prometheus_client", "opentelemetry": "opentelemetry"}
 
 ALLOWED = "allowed"
 DENIED = "denied"
+DENIED_CACHED = "denied_cached"
 SHADOW_DENIED = "shadow_denied"
 FAILED_OPEN = "failed_open"
 FAILED_CLOSED = "failed_closed"
 #: Every ``outcome`` of a decision that was applied: allowed (every limit of the call
 #: let it through), denied (this limit refused it), shadow_denied (a shadow limit would
-#: have), failed_open and failed_closed (the store failed, and ``FAIL_OPEN`` said so). A
-#: limit of an all-or-nothing call that another limit refused took nothing and is not
-#: counted.
-OUTCOMES = (ALLOWED, DENIED, SHADOW_DENIED, FAILED_OPEN, FAILED_CLOSED)
+#: have), failed_open and failed_closed (the store failed, and ``FAIL_OPEN`` said so),
+#: denied_cached (this limit refused it from this process' memory, the store unasked:
+#: ``django_tokenbucket.deny_cache``). A limit of an all-or-nothing call that another
+#: limit refused took nothing and is not counted.
+OUTCOMES = (ALLOWED, DENIED, DENIED_CACHED, SHADOW_DENIED, FAILED_OPEN, FAILED_CLOSED)
 #: Every ``event`` of a scheduled reservation (``django_tokenbucket.celery``): made
 #: (counted when its transaction commits), its work started, tokens given back (by
 #: ``refund()`` or ``refund_on_failure``), cancelled before it ran, given up by the sweeper.

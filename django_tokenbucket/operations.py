@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from . import deny_cache
 from .api import limiter
 from .backends import backend_aliases, get_backend, row_backend
 from .backends.base import BaseBackend, BucketPage, Request, StoredBucket
@@ -31,12 +32,54 @@ __all__ = [
     "is_stored",
     "key_state",
     "pages",
+    "reset_all",
+    "reset_buckets",
+    "reset_key",
+    "set_tokens",
     "store_of",
     "uncounted_reason",
 ]
 
 #: The shortest digest prefix an operator may give for one key.
 DIGEST_PREFIX_LENGTH = 8
+
+
+# Every write an operator makes goes through these, so that this process' deny cache
+# forgets the keys at once (other processes forget within DENY_CACHE's MAX_AGE).
+
+
+def reset_buckets(backend: BaseBackend, name: str, digests: list[str]) -> int:
+    """Forget the stored buckets of ``name`` with these digests (``BaseBackend.reset_buckets``)."""
+    try:
+        return backend.reset_buckets(name, digests)
+    finally:
+        for digest in digests:
+            deny_cache.forget(name, digest)
+
+
+def reset_all(backend: BaseBackend, limit: LimitConfig, **options: Any) -> int:
+    """Forget every stored bucket of ``limit`` (``BaseBackend.reset_all``)."""
+    try:
+        return backend.reset_all(limit, **options)
+    finally:
+        deny_cache.forget_limit(limit.name)
+
+
+def reset_key(backend: BaseBackend, limit: LimitConfig, key: EncodedKey) -> None:
+    """Forget ``key``'s buckets of ``limit``, in each of its shards (``BaseBackend.reset``)."""
+    try:
+        for config, part in key_buckets(limit, key):
+            backend.reset(config, part)
+    finally:
+        deny_cache.forget(limit.name, key.digest)
+
+
+def set_tokens(backend: BaseBackend, limit: LimitConfig, digest: str, value: int) -> tuple[int, int] | None:
+    """Make the stored bucket ``digest`` hold ``value`` micro-tokens (``BaseBackend.set_tokens``)."""
+    try:
+        return backend.set_tokens(limit, digest, value)
+    finally:
+        deny_cache.forget(limit.name, digest)
 
 
 def store_of(limit: LimitConfig, database: str | None = None) -> BaseBackend:

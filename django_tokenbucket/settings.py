@@ -51,6 +51,9 @@ DEFAULTS: dict[str, Any] = {
     "CELERY": {},
     # None, "prometheus" or "opentelemetry" (see django_tokenbucket.metrics).
     "METRICS": None,
+    # Keys known to be denied are answered from this process' memory for at most
+    # MAX_AGE seconds (see django_tokenbucket.deny_cache); False turns it off.
+    "DENY_CACHE": {"MAX_AGE": 1.0, "MAX_KEYS": 100_000},
 }
 
 

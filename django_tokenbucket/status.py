@@ -56,6 +56,9 @@ class Status:
     shadow: bool = False
     #: ...and this is True when it would have denied the call.
     would_deny: bool = False
+    #: True when this denial came from this process' memory of the key's last denial
+    #: (``django_tokenbucket.deny_cache``), the store unasked; never on an allowed call.
+    cached: bool = False
 
     @classmethod
     def _decided(
@@ -73,11 +76,12 @@ class Status:
         timestamp: float,
         shadow: bool,
         would_deny: bool,
+        cached: bool = False,
     ) -> Status:
         """Return the Status of a decision, as ``Status(...)`` would make it, only faster.
 
         Every decision makes one, and the __init__ of a frozen dataclass sets each of the
-        14 fields through ``object.__setattr__``: filling ``__dict__`` at once costs a
+        15 fields through ``object.__setattr__``: filling ``__dict__`` at once costs a
         third as much. tests/test_fast_path.py keeps the two equal.
         """
         status = object.__new__(cls)
@@ -96,6 +100,7 @@ class Status:
             failed_open=False,
             shadow=shadow,
             would_deny=would_deny,
+            cached=cached,
         )
         return status
 

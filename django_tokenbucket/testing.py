@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 
-from . import clock
+from . import clock, deny_cache
 from .algorithms import MICRO
 
 __all__ = ["frozen_clock"]
@@ -41,6 +41,9 @@ def frozen_clock(at: float | datetime = 1_700_000_000.0) -> Iterator[FrozenClock
     """
     previous = clock._override
     seconds = at.timestamp() if isinstance(at, datetime) else at
+    # A denial remembered at an earlier test's pinned time would look fresh at this one's,
+    # though the test database or Redis was emptied between them.
+    deny_cache.clear()
     try:
         yield FrozenClock(seconds)
     finally:

@@ -133,6 +133,28 @@ def _require_redis(config: pytest.Config, items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.skip(reason=problem))
 
 
+@pytest.fixture(autouse=True)
+def _forget_denials():
+    """Start each test with an empty deny cache: a test's stores are wiped behind the
+    limiter's back (a rolled-back transaction, deleted Redis keys), and a pinned clock
+    makes a denial of the previous test look fresh."""
+    from django_tokenbucket import deny_cache  # after Django is set up: it imports settings
+
+    deny_cache.clear()
+    yield
+
+
+@pytest.fixture
+def without_deny_cache(monkeypatch):
+    """Every call goes to the store, as in a process that has not seen the key denied
+    (``DENY_CACHE`` off): for the cases of what a store does with a key denied lately.
+    Switched off here rather than with ``override_settings``, which would build the
+    test's backend again."""
+    from django_tokenbucket import deny_cache  # after Django is set up: it imports settings
+
+    monkeypatch.setattr(deny_cache, "active", lambda: None)
+
+
 @pytest.fixture
 def redis_store():
     """TOKENBUCKET overrides for the Redis backend on the ``redis`` cache; deletes this run's keys around the test."""

@@ -11,7 +11,7 @@ from django.test import override_settings
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from django_tokenbucket import limiter
+from django_tokenbucket import deny_cache, limiter
 from django_tokenbucket.algorithms import MICRO, State
 from django_tokenbucket.cleanup import cleanup
 from django_tokenbucket.keys import encode_key
@@ -248,6 +248,7 @@ def specs(draw):
 @given(data=st.data())
 def test_deleting_what_cleanup_selects_changes_no_future_decision(data):
     RateLimit.objects.all().delete()
+    deny_cache.clear()  # the rows went behind the limiter's back, and the clock is pinned to T0 again
     spec = data.draw(specs(), "config")
     limit = parse_limit("prop", spec)
     span = cleanup_span(limit)

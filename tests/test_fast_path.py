@@ -124,7 +124,7 @@ def test_limits_of_one_name_with_other_configs_keep_their_own_arguments(backend,
 
 
 @pytest.mark.redis
-def test_check_and_throws_match_limit_many(backend):
+def test_check_and_throws_match_limit_many(backend, without_deny_cache):
     with frozen_clock(T0):
         assert limiter.check("login", "c").value == 4  # what limit() would leave
         assert limiter.limit("login", "c", count=5).value == 0

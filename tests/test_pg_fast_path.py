@@ -476,7 +476,7 @@ def path_of(sql: str) -> str:
     return sql.split(" ", 1)[0]
 
 
-def test_a_key_seen_denied_is_read_first_until_it_admits_with_room(backend):
+def test_a_key_seen_denied_is_read_first_until_it_admits_with_room(backend, without_deny_cache):
     """The path follows what this process saw: the admission statement while a key
     admits (the function first, until the connection is known to reach PostgreSQL and
     prepare), a read once it is short of a call, until an admission leaves room for the

@@ -156,7 +156,7 @@ def counting(backend):
     return CountingScripts(backend.options)
 
 
-def test_a_key_denied_lately_is_denied_from_one_read_without_the_script(counting):
+def test_a_key_denied_lately_is_denied_from_one_read_without_the_script(counting, without_deny_cache):
     own = Limiter(counting)
     client = counting.client()
     with frozen_clock(T0) as clock:
@@ -179,7 +179,7 @@ def test_a_key_denied_lately_is_denied_from_one_read_without_the_script(counting
         assert counting.scripts == 6 and counting.reads["decided"] == 21
 
 
-def test_a_key_reset_elsewhere_is_admitted_at_once(counting):
+def test_a_key_reset_elsewhere_is_admitted_at_once(counting, without_deny_cache):
     """Reading first is a guess of the path only: a reset by another process counts at once."""
     own = Limiter(counting)
     with frozen_clock(T0):
@@ -486,7 +486,7 @@ def test_redis_down_fails_open_when_configured(ignore_exceptions, caplog):
 
 
 @pytest.mark.redis_processes
-def test_a_read_that_fails_is_a_backend_failure_that_wrote_nothing():
+def test_a_read_that_fails_is_a_backend_failure_that_wrote_nothing(without_deny_cache):
     """A key denied lately is read first; a store down then fails the read, not ambiguously."""
     with private_redis() as server, frozen_clock(T0):
         for _ in range(6):

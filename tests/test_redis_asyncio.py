@@ -170,7 +170,7 @@ async def test_a_server_that_stops_answering_is_an_ambiguous_failure_then_recove
             assert (await limiter.alimit("login", "slow")).ok
 
 
-async def test_a_key_denied_lately_is_read_on_the_asyncio_client_too():
+async def test_a_key_denied_lately_is_read_on_the_asyncio_client_too(without_deny_cache):
     with RedisServer() as server, limiter_on(plain_cache(server.url)) as backend, frozen_clock(T0):
         for _ in range(5):
             assert (await limiter.alimit("login", "flood")).ok

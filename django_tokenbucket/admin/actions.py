@@ -19,6 +19,7 @@ from django.template.response import TemplateResponse
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
+from .. import operations
 from ..algorithms import MICRO
 from ..backends import row_backend
 from ..models import RateLimit
@@ -95,7 +96,7 @@ class BucketActions(BucketAdminViews):
         by_name: dict[str, list[str]] = defaultdict(list)
         for obj in rows:
             by_name[obj.name].append(obj.key)
-        return sum(backend.reset_buckets(name, digests) for name, digests in by_name.items())
+        return sum(operations.reset_buckets(backend, name, digests) for name, digests in by_name.items())
 
     @admin.action(description=_("Reset selected keys (full again)"), permissions=["reset"])
     def reset_selected(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
@@ -158,7 +159,7 @@ class BucketActions(BucketAdminViews):
         skipped = 0
         for obj in rows:
             known = limits.get(obj.name)
-            changed = None if known is None else backend.set_tokens(known.config, obj.key, value)
+            changed = None if known is None else operations.set_tokens(backend, known.config, obj.key, value)
             if changed is None:
                 skipped += 1
                 continue

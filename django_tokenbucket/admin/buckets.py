@@ -24,6 +24,7 @@ from django.utils.html import format_html
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
+from .. import operations
 from ..backends import backend_aliases, get_backend
 from ..backends.base import BackendError, BaseBackend, StoredBucket
 from ..keys import encode_key
@@ -327,7 +328,7 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
                 )
                 return TemplateResponse(request, "admin/django_tokenbucket/ratelimit/reset_all.html", context)
             try:
-                count = backend.reset_all(known.config)
+                count = operations.reset_all(backend, known.config)
             except (BackendError, NotImplementedError) as exc:
                 self.message_user(request, str(_("Nothing was reset: %(error)s") % {"error": exc}), messages.ERROR)
                 return HttpResponseRedirect(list_url)
@@ -346,7 +347,7 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
         if len(digests) > MAX_ACTION_ROWS:
             raise PermissionDenied
         try:
-            backend.reset_buckets(known.name, digests)
+            operations.reset_buckets(backend, known.name, digests)
         except BackendError as exc:
             self.message_user(request, str(_("The store failed: %(error)s") % {"error": exc}), messages.ERROR)
             return HttpResponseRedirect(list_url)

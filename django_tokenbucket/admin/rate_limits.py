@@ -14,6 +14,7 @@ from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils.translation import gettext_lazy as _
 
+from .. import deny_cache
 from ..keys import encode_key
 from ..live import LIMITED, PARTIAL
 from ..models import RateLimit
@@ -133,6 +134,8 @@ class RateLimitAdmin(BucketColumns, LimitsOverview):
         extra = {
             "overview_url": reverse(f"{self.admin_site.name}:django_tokenbucket_ratelimit_limits"),
             "stored_elsewhere": stored_elsewhere(self.admin_site.name, self.get_queryset(request).db),
+            # This process' only: each process remembers the denials it saw (deny_cache).
+            "deny_cache_keys": deny_cache.size() if deny_cache.active() is not None else None,
             **(extra_context or {}),
         }
         return super().changelist_view(request, extra)

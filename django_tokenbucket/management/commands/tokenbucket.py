@@ -42,7 +42,6 @@ from ...limits import LimitConfig
 from ...live import FULL, LIMITED, PARTIAL, LiveState, live_state
 from ...registry import KnownLimit, known_limits
 from ...request_keys import key_from_text
-from ...shards import key_buckets
 from ...text import describe_rate, format_duration, format_tokens
 
 _JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"
@@ -296,7 +295,7 @@ class Command(BaseCommand):
             return
         if options["digest"]:
             bucket, _now = self._bucket_by_digest(limit, options["key"], database)
-            operations.store_of(limit, database).reset_buckets(limit.name, [bucket.digest])
+            operations.reset_buckets(operations.store_of(limit, database), limit.name, [bucket.digest])
             self.stdout.write(f"Reset {name} key {bucket.label or bucket.digest}: it starts full again.")
             return
         key = self._key(options)
@@ -310,8 +309,7 @@ class Command(BaseCommand):
                 f"@ratelimit and the DRF throttles build are not plain strings: give them as --key SPEC=VALUE "
                 f"({_REQUEST_KEY_HINT}), or find the bucket in the admin and use --digest."
             )
-        for config, part in key_buckets(limit, encoded):
-            backend.reset(config, part)
+        operations.reset_key(backend, limit, encoded)
         # The operator typed the key: show it, normalised, as the bucket holds it.
         self.stdout.write(f"Reset {name} key {as_typed(key)}: it starts full again.")
 
@@ -334,7 +332,7 @@ class Command(BaseCommand):
                 ) from None
             if answer.strip().lower() not in ("y", "yes"):
                 raise CommandError("reset cancelled")
-        deleted = backend.reset_all(limit, batch_size=MAX_BATCH_SIZE)
+        deleted = operations.reset_all(backend, limit, batch_size=MAX_BATCH_SIZE)
         self.stdout.write(f"Reset {deleted} key(s) of {limit.name}: they start full again.")
 
     # -- cleanup ---------------------------------------------------------------------

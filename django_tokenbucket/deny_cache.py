@@ -1,0 +1,322 @@
+"""This process' memory of keys known to be denied, so that a flood costs the store nothing.
+
+A rate limiter exists for the moment someone hammers one endpoint, and without this
+every denied request of that flood is a store round trip: a transaction on the
+application's own database, or two Redis commands. A denial stays right for as long as
+nothing gives the bucket tokens back: other processes' admissions only lower it, and
+refill is uniform, so what the store said once can be extrapolated until the moment it
+named (``retry_after``). Only a reset, a refund, a set-tokens or a change of the limit's
+config make it wrong. In this process each of those forgets the key at once
+(``forget``, ``forget_limit``, ``clear``); made by another process, it is seen once the
+entry expires, at most ``MAX_AGE`` seconds after the denial was learnt.
+
+Memory never admits: it answers only a call that the store would deny too (the same
+limit, config and store, a count at least the one denied, no reservation), and
+everything else goes to the store. Bounded by ``MAX_KEYS`` entries (an attacker
+rotating keys costs at most that many), guarded by one lock, emptied in a forked
+child, and free of I/O, so the asyncio paths call it on the event loop.
+
+Not cached: shadow limits (they never block), sharded limits (the next call picks
+other shards, which may admit), reservations, and statuses that failed open.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from . import clock
+from .algorithms import MICRO, Decision
+from .backends.base import Outcome
+from .limits import LimitConfig
+from .settings import tokenbucket_settings
+
+__all__ = [
+    "DEFAULT_MAX_AGE",
+    "DEFAULT_MAX_KEYS",
+    "Recalled",
+    "Settings",
+    "active",
+    "admitted",
+    "cacheable",
+    "clear",
+    "forget",
+    "forget_limit",
+    "lookup",
+    "now",
+    "parse",
+    "remember",
+    "size",
+]
+
+DEFAULT_MAX_AGE = 1.0
+DEFAULT_MAX_KEYS = 100_000
+_KNOWN = {"MAX_AGE", "MAX_KEYS"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``TOKENBUCKET["DENY_CACHE"]``, validated: how long and how many denials to remember."""
+
+    #: Microseconds a denial is remembered at most (the staleness bound across processes).
+    max_age: int
+    max_keys: int
+
+
+def parse(value: object) -> Settings | None:
+    """Return the ``DENY_CACHE`` setting validated (None: off); ValueError says what is wrong."""
+    if value is False or value is None:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"TOKENBUCKET['DENY_CACHE'] must be False or a dict such as "
+            f"{{'MAX_AGE': {DEFAULT_MAX_AGE}, 'MAX_KEYS': {DEFAULT_MAX_KEYS}}}, not {value!r}"
+        )
+    unknown = sorted(map(repr, set(value) - _KNOWN))
+    if unknown:
+        raise ValueError(
+            f"TOKENBUCKET['DENY_CACHE'] has unknown key(s) {', '.join(unknown)}: it takes MAX_AGE and MAX_KEYS"
+        )
+    max_age = value.get("MAX_AGE", DEFAULT_MAX_AGE)
+    if isinstance(max_age, bool) or not isinstance(max_age, (int, float)) or not 0 < max_age <= 3600:
+        raise ValueError(
+            f"TOKENBUCKET['DENY_CACHE']['MAX_AGE'] must be a number of seconds above 0 and at most 3600, "
+            f"not {max_age!r}"
+        )
+    max_keys = value.get("MAX_KEYS", DEFAULT_MAX_KEYS)
+    if type(max_keys) is not int or max_keys < 1:
+        raise ValueError(
+            f"TOKENBUCKET['DENY_CACHE']['MAX_KEYS'] must be a whole number of at least 1, not {max_keys!r}"
+        )
+    return Settings(max(1, int(max_age * MICRO)), max_keys)
+
+
+@dataclass(frozen=True)
+class Recalled:
+    """A denial answered from memory: the decision the store would make, at store time ``now``."""
+
+    decision: Decision
+    now: int
+
+
+@dataclass(slots=True)
+class _Entry:
+    """A denial as the store reported it, and when this process learnt it."""
+
+    limit: LimitConfig
+    #: The backend that decided: a ``Limiter(backend)`` of its own is another store.
+    store: object
+    count: int
+    value: int
+    retry_after: int
+    full_after: int
+    #: The store's time of the denial (µs since the epoch).
+    timestamp: int
+    #: This process' clock (µs) taken before the store was asked: elapsed time measured
+    #: from it is never more than the store's, so an entry never outlives the denial.
+    learnt: int
+    #: Whether ``learnt`` is a pinned test clock (``clock.override``) rather than the
+    #: monotonic one: the two are never compared.
+    pinned: bool
+    #: Microseconds after ``learnt`` when the entry stops answering.
+    lifetime: int
+
+
+_lock = threading.Lock()
+_entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+#: Bumped by every invalidation: a denial decided before one may no longer hold, so it
+#: is not remembered when the two race (``remember`` compares it with ``now()``'s).
+_epoch = 0
+_settings: Settings | bool | None = True  # True: not read yet
+
+
+def active() -> Settings | None:
+    """Return the setting in force (None: the cache is off); raise ImproperlyConfigured if malformed."""
+    global _settings
+    if _settings is True:
+        try:
+            _settings = parse(tokenbucket_settings.user_settings.get("DENY_CACHE", {}))
+        except ValueError as exc:
+            raise ImproperlyConfigured(str(exc)) from None
+    return _settings  # type: ignore[return-value]
+
+
+def now() -> tuple[bool, int, int]:
+    """Return (pinned, this process' clock in µs, the invalidation epoch), read before a store call."""
+    pinned = clock.override()
+    if pinned is not None:
+        return True, pinned, _epoch
+    return False, time.monotonic_ns() // 1000, _epoch
+
+
+def lookup(limit: LimitConfig, store: object, digest: str, count: int) -> Recalled | None:
+    """Return the decision the store would make now for ``count`` micro-tokens, if memory
+    knows it is a denial; None sends the call to the store.
+
+    The caller has checked that the call may be cached (``cacheable``).
+    """
+    entry = _entries.get((limit.name, digest))
+    if entry is None or count < entry.count or entry.store is not store:
+        return None
+    if entry.limit is not limit and entry.limit != limit:
+        return None
+    pinned, at, _ = now()
+    elapsed = at - entry.learnt
+    if pinned is not entry.pinned or not 0 <= elapsed < entry.lifetime:
+        return None
+    algorithm = limit.algorithm
+    if algorithm.phased:
+        # A window's value is constant until the next window starts, and the entry ends there.
+        value = entry.value
+        windows_more = -(-(count - value) // limit.rate) - -(-(entry.count - value) // limit.rate)
+        retry_after = entry.retry_after + windows_more * limit.period - elapsed
+    else:
+        gained = limit.rate * elapsed
+        more = count - entry.count
+        # The store keeps a fraction of a micro-token (the refill phase) that its answer
+        # rounds away, so memory may say a micro-token less, and a larger count's wait a
+        # microsecond more, than the store would. On a real clock that is far below what
+        # measuring elapsed time on this process' clock rather than the store's leaves
+        # open anyway; a pinned clock (tests) pins the store's time exactly, and there
+        # memory answers only what it extrapolates exactly.
+        if pinned and (gained % limit.period or more * limit.period % limit.rate):
+            return None
+        value = min(limit.capacity, entry.value + gained // limit.period)
+        # The store's wait is measured to a fixed moment; a larger count adds its refill time.
+        extra = algorithm.refill_time(more, limit.rate, limit.period) if more else 0
+        retry_after = entry.retry_after + extra - elapsed
+    decision = Decision(False, value, retry_after, max(0, entry.full_after - elapsed), None)
+    return Recalled(decision, entry.timestamp + elapsed)
+
+
+def cacheable(limit: LimitConfig, reserve: bool) -> bool:
+    """Whether a call on ``limit`` may be answered from, and remembered in, memory."""
+    return limit.deny_cache and not limit.shadow and limit.shards == 1 and not reserve
+
+
+def remember(
+    settings: Settings,
+    limit: LimitConfig,
+    store: object,
+    digest: str,
+    count: int,
+    outcome: Outcome,
+    before: tuple[bool, int, int],
+) -> None:
+    """Remember a denial the store just made (``before``: ``now()`` read before asking it).
+
+    An admission forgets the key instead: it lowered the bucket, so a denial remembered
+    before it would extrapolate a value, and a wait, that the store no longer holds.
+    """
+    decision, timestamp = outcome.decisions[0], outcome.now
+    row = (limit.name, digest)
+    if decision.allowed:
+        admitted(limit.name, digest)
+        return
+    if decision.retry_after is None or decision.retry_after <= 0 or decision.state is not None:
+        return  # (a state to write: the clock went back and the store rebased the bucket)
+    algorithm = limit.algorithm
+    if not algorithm.phased and decision.retry_after > algorithm.refill_time(
+        count - decision.value, limit.rate, limit.period
+    ):
+        # Only a clock behind the bucket's last write waits longer than the refill: the
+        # store decided at that write's time, which this process cannot extrapolate from.
+        return
+    pinned, learnt, epoch = before
+    lifetime = min(decision.retry_after, settings.max_age)
+    if limit.algorithm.phased:
+        offset = limit.window_offset(digest)
+        next_window = timestamp - (timestamp - offset) % limit.period + limit.period
+        lifetime = min(lifetime, next_window - timestamp)
+    entry = _Entry(
+        limit,
+        store,
+        count,
+        decision.value,
+        decision.retry_after,
+        decision.full_after,
+        timestamp,
+        learnt,
+        pinned,
+        lifetime,
+    )
+    with _lock:
+        if epoch != _epoch:
+            return  # something was reset meanwhile: this denial may predate it
+        _entries.pop(row, None)
+        while len(_entries) >= settings.max_keys:
+            _entries.popitem(last=False)
+        _entries[row] = entry
+
+
+def admitted(name: str, digest: str) -> None:
+    """Forget a key the store just admitted on (a reservation too): the bucket is lower
+    than a remembered denial would extrapolate."""
+    row = (name, digest)
+    if row in _entries:
+        with _lock:
+            _entries.pop(row, None)
+
+
+def forget(name: str, digest: str) -> None:
+    """Forget what memory knows of key ``digest`` of limit ``name`` (reset, refunded or set here)."""
+    global _epoch
+    with _lock:
+        _epoch += 1
+        _entries.pop((name, digest), None)
+
+
+def forget_limit(name: str) -> None:
+    """Forget every key of limit ``name`` (all of its buckets reset at once)."""
+    global _epoch
+    with _lock:
+        _epoch += 1
+        for row in [row for row in _entries if row[0] == name]:
+            del _entries[row]
+
+
+def clear() -> None:
+    """Forget every denial this process remembers.
+
+    For code (and tests) that changes stored buckets behind the limiter's back: raw SQL,
+    ``redis-cli``, another process when it must be seen before ``MAX_AGE``.
+    """
+    global _epoch
+    with _lock:
+        _epoch += 1
+        _entries.clear()
+
+
+def size() -> int:
+    """Return how many keys this process remembers as denied."""
+    return len(_entries)
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    # The parent's lock may have been held by another thread at the fork; the child has
+    # only this thread and starts with nothing remembered.
+    _lock = threading.Lock()
+    _entries.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@receiver(setting_changed)
+def _settings_changed(*, setting: str, **kwargs: Any) -> None:
+    global _settings
+    if setting == "TOKENBUCKET":
+        _settings = True
+        clear()
