@@ -244,13 +244,24 @@ def render(peers: dict[str, Any], http: dict[str, Any]) -> str:
     return "\n\n".join(part.strip() for part in parts if part) + "\n"
 
 
-def replace_region(page: Path, content: str) -> None:
+def replace_region(page: Path, content: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace what lies between the markers ``begin`` and ``end`` of ``page`` with ``content``."""
     text = page.read_text()
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise SystemExit(f"{page}: needs exactly one {BEGIN} ... {END} region")
-    head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
-    page.write_text(f"{head}{BEGIN}\n{content}{END}{tail}")
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise SystemExit(f"{page}: needs exactly one {begin} ... {end} region")
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    page.write_text(f"{head}{begin}\n{content}{end}{tail}")
+
+
+def save(result: dict[str, Any], content: str, json_path: Path | None, docs: Path | None, begin: str, end: str) -> None:
+    """Write a run's ``result`` as JSON to ``json_path`` and its Markdown ``content`` into the
+    ``begin`` ... ``end`` region of the page ``docs`` (each when given)."""
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2))
+    if docs:
+        replace_region(docs, content, begin, end)
 
 
 def main() -> None:
