@@ -12,7 +12,7 @@
 # `make bench-tasks` (about 2 minutes) runs benchmarks/suite/tasks.py: RateLimitedTask and
 # Celery's own rate_limit on 4 real workers, Redis broker, PostgreSQL; it rewrites its own
 # section of docs/benchmarks.md.
-# `make bench-flood` (issue 35, about 4 minutes) runs benchmarks/suite/flood.py: 8 processes
+# `make bench-flood` (issue 35, about 3 minutes) runs benchmarks/suite/flood.py: 8 processes
 # flooding one exhausted key, then 100,000 rotating exhausted keys, with the deny cache on
 # and off, on the database backend (PostgreSQL) and on a private redis-server; store
 # operations counted on the servers, a ninth process's SELECT p99, denied requests through

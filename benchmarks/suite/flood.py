@@ -14,9 +14,10 @@ redis-server), each with ``TOKENBUCKET["DENY_CACHE"]`` on and off, each configur
 Store operations are counted on the server: PostgreSQL transactions of the benchmark's own
 database (``pg_stat_database``, read once every worker has closed its connection, since a
 backend reports its counts lazily), Redis ``total_commands_processed`` of a server nobody
-else uses, less the benchmark's own INFO calls. Both include each worker's connection
-setup. A ninth process runs a primary-key SELECT on a small table of its own database every
-2 ms during each flood: its p99 is what the rest of the application sees.
+else uses, less the benchmark's own INFO calls (Redis counts the commands a Lua script
+runs too: a script's decision counts 3). Both include each worker's connection setup. A
+ninth process runs a primary-key SELECT on a small table of its own database every 2 ms
+during each flood: its p99 is what the rest of the application sees.
 
 Then, in one process per configuration, sequentially and in interleaved rounds: a denial
 through ``limiter.limit`` (from memory when the cache is on), a Redis PING, and a denied
