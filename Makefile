@@ -12,7 +12,13 @@
 # `make bench-tasks` (about 2 minutes) runs benchmarks/suite/tasks.py: RateLimitedTask and
 # Celery's own rate_limit on 4 real workers, Redis broker, PostgreSQL; it rewrites its own
 # section of docs/benchmarks.md.
-# Knobs: BENCH_ARGS for peers.py, BENCH_HTTP_ARGS for http_stack.py. See docs/benchmarks.md.
+# `make bench-flood` (issue 35, about 3 minutes) runs benchmarks/suite/flood.py: 8 processes
+# flooding one exhausted key, then 100,000 rotating exhausted keys, with the deny cache on
+# and off, on the database backend (PostgreSQL) and on a private redis-server; store
+# operations counted on the servers, a ninth process's SELECT p99, denied requests through
+# views, item 7's fail-open figure. It prints issue 35's targets and rewrites its own section
+# of docs/benchmarks.md. PYTHON: a Python with the [redis,drf,postgres] extras, redis-server.
+# Knobs: BENCH_ARGS for peers.py, BENCH_HTTP_ARGS for http_stack.py, BENCH_FLOOD_ARGS for flood.py. See docs/benchmarks.md.
 # The probes of benchmarks/probes/ are no part of it: each runs by hand (see its --help).
 # `make bench-failover` (issue 34, about a minute a run) runs tests/test_redis_crash.py
 # FAILOVER_RUNS times (3), which kills a Redis Cluster primary and a Sentinel master under
@@ -26,12 +32,13 @@ BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.installed
 BENCH_ARGS ?=
 BENCH_HTTP_ARGS ?=
+BENCH_FLOOD_ARGS ?=
 BENCH_SUITE := benchmarks/suite
 BENCH_RESULTS := benchmarks/results
 # Expanded once: every step of one `make bench` records the same run id.
 BENCH_RUN := $(shell date -u +%Y%m%dT%H%M%SZ)-$(shell echo $$$$)
 
-.PHONY: bench bench-failover bench-http bench-quick bench-tasks bench-venv
+.PHONY: bench bench-failover bench-flood bench-http bench-quick bench-tasks bench-venv
 
 bench-venv: $(BENCH_STAMP)
 
@@ -49,6 +56,9 @@ bench: $(BENCH_STAMP)
 
 bench-tasks: $(BENCH_STAMP)
 	$(BENCH_PY) $(BENCH_SUITE)/tasks.py --json $(BENCH_RESULTS)/tasks.json --docs docs/benchmarks.md
+
+bench-flood:
+	$(PYTHON) $(BENCH_SUITE)/flood.py --json $(BENCH_RESULTS)/flood.json --docs docs/benchmarks.md $(BENCH_FLOOD_ARGS)
 
 bench-http: $(BENCH_STAMP)
 	$(BENCH_PY) $(BENCH_SUITE)/http_stack.py --json $(BENCH_RESULTS)/http-only.json $(BENCH_HTTP_ARGS)
