@@ -93,6 +93,8 @@ def _configure() -> None:
             }
         },
         TOKENBUCKET={
+            # The store path is what is measured: denials from memory would never reach Redis.
+            "DENY_CACHE": False,
             "BACKENDS": {
                 "default": {"BACKEND": "django_tokenbucket.backends.redis.RedisBackend"},
                 # The old async path, on the same cache: see ThreadedRedisBackend.

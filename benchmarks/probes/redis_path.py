@@ -89,6 +89,8 @@ def configure(db: int) -> None:
         },
         TOKENBUCKET={
             "BACKEND": "django_tokenbucket.backends.redis.RedisBackend",
+            # The store path is what is measured: denials from memory would never reach Redis.
+            "DENY_CACHE": False,
             "LIMITS": {"bench": {"rate": RATE, "period": PERIOD}},
         },
         REDIS_URL=url,

@@ -49,6 +49,8 @@ def configure(url: str, cluster: bool) -> None:
         },
         TOKENBUCKET={
             "BACKEND": "django_tokenbucket.backends.redis.RedisBackend",
+            # The store path is what is measured: denials from memory would never reach Redis.
+            "DENY_CACHE": False,
             "LIMITS": {
                 # Never runs dry: every decision is allowed and writes its key.
                 "allowed": {"rate": 10**9, "period": 1},
