@@ -674,7 +674,7 @@ class Limiter:
             if deny_cache.cacheable(limit, request.reserve):
                 recalled = deny_cache.lookup(limit, self.backend(limit), request.key.digest, request.count)
             if recalled is None:
-                statuses.append(_undecided(limit, item.key, request.count))
+                statuses.append(_undecided(limit, item.key, request.count / MICRO))
             else:
                 denied = True
                 decision, now = recalled.decision, recalled.now
@@ -908,21 +908,7 @@ class Limiter:
 
     @staticmethod
     def _failed_open(limit: LimitConfig, key: object, count: int | float) -> Status:
-        return Status(
-            ok=True,
-            name=limit.name,
-            key=key,
-            count=float(count),
-            value=None,
-            retry_after=None,
-            reset_after=None,
-            capacity=limit.capacity_tokens,
-            rate=limit.rate_tokens,
-            period=limit.period_seconds,
-            timestamp=None,
-            failed_open=True,
-            shadow=limit.shadow,
-        )
+        return _undecided(limit, key, float(count), failed_open=True)
 
 
 def _outcome(status: Status, all_ok: bool) -> str | None:
@@ -947,14 +933,14 @@ def _memory_for(limit: LimitConfig, reserve: bool) -> deny_cache.Settings | None
     return memory
 
 
-def _undecided(limit: LimitConfig, key: object, count: int) -> Status:
-    """The Status of a limit that a call denied from memory did not ask: it took nothing,
-    and what it holds is unknown (``value`` None, as when a store fails open)."""
+def _undecided(limit: LimitConfig, key: object, tokens: float, *, failed_open: bool = False) -> Status:
+    """The Status of a limit whose store did not decide: a call denied from memory did
+    not ask it (it took nothing), or it failed open; what it holds is unknown."""
     return Status(
         ok=True,
         name=limit.name,
         key=key,
-        count=count / MICRO,
+        count=tokens,
         value=None,
         retry_after=None,
         reset_after=None,
@@ -962,6 +948,7 @@ def _undecided(limit: LimitConfig, key: object, count: int) -> Status:
         rate=limit.rate_tokens,
         period=limit.period_seconds,
         timestamp=None,
+        failed_open=failed_open,
         shadow=limit.shadow,
     )
 
