@@ -847,7 +847,9 @@ class Limiter:
         requests = step.requests
         fail_open = step.fail_open
         if fail_open is None:
-            fail_open = bool(tokenbucket_settings.FAIL_OPEN)
+            # A busy store is up: letting its timeouts through would let a flood past the
+            # limit it created (issue 35, item 7). FAIL_OPEN is for a store that is down.
+            fail_open = bool(tokenbucket_settings.FAIL_OPEN) and not exc.busy
         names = ", ".join(repr(r.config.name) for r in requests)
         if signals.rate_limit_backend_error.has_listeners():
             signals.rate_limit_backend_error.send(
@@ -870,15 +872,17 @@ class Limiter:
             return
         throttled_logger.warning(
             names,
-            "rate limit %s (key %s): the store failed, refusing (fail closed): %s",
+            "rate limit %s (key %s): the store %s, refusing (fail closed): %s",
             names,
             requests[0].key.digest[:12],
+            "is busy" if exc.busy else "failed",
             exc,
         )
         if recorder is not None and step.apply:
             for name in dict.fromkeys(r.config.name for r in requests):
                 recorder.decision(name, self._store_label(limit), metrics.FAILED_CLOSED)
-        raise BackendUnavailable(limit.name, f"the store failed: {exc}") from exc
+        what = "is busy (it answers, but not in time)" if exc.busy else "failed"
+        raise BackendUnavailable(limit.name, f"the store {what}: {exc}") from exc
 
     def _store_label(self, limit: LimitConfig) -> str:
         """The ``backend`` label of ``limit``'s figures: its alias, or the class of this limiter's own backend."""

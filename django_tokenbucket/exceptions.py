@@ -42,7 +42,10 @@ class RateLimited(PermissionDenied):
 class BackendUnavailable(Exception):
     """The rate-limit store failed and ``FAIL_OPEN`` is off, so nothing was decided.
 
-    The HTTP integrations answer 503: the service failed, not the client.
+    Also raised with ``FAIL_OPEN`` on when the store is busy rather than down: it
+    reported a lock or time limit it gave up on, or ran out of ``TIMEOUT`` while it was
+    answering this process' other calls. The HTTP integrations answer 503: the service
+    failed, not the client.
     """
 
     def __init__(self, name: str, message: str) -> None:

@@ -346,7 +346,7 @@ def _reset_in_another_process(connection):
 
 @pytest.mark.parametrize("backend", ["database", "redis"], indirect=True)
 def test_a_reset_in_another_process_is_seen_within_max_age(backend):
-    max_age = 5.0
+    max_age = 2.5
     current = {**_current(), "DENY_CACHE": {"MAX_AGE": max_age}}
     with override_settings(TOKENBUCKET=current):
         learnt = time.monotonic()

@@ -33,6 +33,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -155,7 +156,8 @@ class Recorder:
         if not dead and "could not be reached lately" in text and self.dead_node in text:
             self.healthy_refused += 1
         if not dead and outcome == "failed":
-            self.healthy_errors[text.partition("the store failed: ")[2].partition(":")[0]] += 1
+            # "the store failed: ClusterDownError: ...", or "the store is busy (...): DeadlineExceeded: ..."
+            self.healthy_errors[re.sub(r"^.*?the store (?:failed|is busy \([^)]*\)): ", "", text).partition(":")[0]] += 1
         self.calls.append((started, elapsed, outcome, dead))
 
     def result(self) -> dict[str, Any]:

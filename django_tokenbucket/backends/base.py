@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,8 +23,10 @@ from ..keys import EncodedKey
 from ..limits import LimitConfig
 
 __all__ = [
+    "BUSY_WINDOW",
     "MAX_BATCH_SIZE",
     "UNKNOWN_IDLE",
+    "Answers",
     "BackendError",
     "BaseBackend",
     "BucketPage",
@@ -151,11 +155,56 @@ class BackendError(Exception):
     during a COMMIT or while one autocommit statement runs, or a Redis reply comes
     after the socket timeout. Such a call is never run again (it could spend twice);
     its tokens count as spent.
+
+    ``busy`` is true when the store is up but could not decide in time: it reported a
+    lock it waited too long for, or the call ran out of time while the store was
+    answering this process' other calls (``Answers``). ``FAIL_OPEN`` does not let such
+    a call through: under a flood, that would let the flood past the limit.
     """
 
-    def __init__(self, message: str, *, ambiguous: bool = False) -> None:
+    def __init__(self, message: str, *, ambiguous: bool = False, busy: bool = False) -> None:
         super().__init__(message)
         self.ambiguous = ambiguous
+        self.busy = busy
+
+
+#: How recently the store must have answered this process for a call that then runs out
+#: of time to count as a busy store rather than a dead one.
+BUSY_WINDOW = 1.0
+
+
+class Answers:
+    """When a store last answered this process: what tells a busy store from a dead one.
+
+    A store that misses a call's deadline after answering this process within
+    ``BUSY_WINDOW`` is up and overloaded, or contended on the key: a flood's own
+    doing, which ``FAIL_OPEN`` must not turn into a way past the limit (issue 35,
+    item 7). One that has said nothing for longer may be down, and failing open is what
+    ``FAIL_OPEN`` is for. A forked child starts with no evidence either way, and so
+    takes the store for down until it answers.
+    """
+
+    __slots__ = ("__weakref__", "at")
+
+    _every: ClassVar[weakref.WeakSet[Answers]] = weakref.WeakSet()
+
+    def __init__(self) -> None:
+        self.at = -math.inf
+        Answers._every.add(self)
+
+    def answered(self) -> None:
+        self.at = time.monotonic()
+
+    def recently(self) -> bool:
+        return time.monotonic() - self.at <= BUSY_WINDOW
+
+    @classmethod
+    def _forget_all(cls) -> None:
+        for answers in list(cls._every):
+            answers.at = -math.inf
+
+
+os.register_at_fork(after_in_child=Answers._forget_all)
 
 
 def row_id(request: Request) -> RowId:

@@ -36,6 +36,7 @@ from ...limits import LimitConfig
 from ...models import RateLimit
 from ...settings import tokenbucket_settings
 from ..base import (
+    Answers,
     BackendError,
     BaseBackend,
     Outcome,
@@ -56,7 +57,7 @@ from .postgresql import (
     decide_one,
     is_postgresql,
 )
-from .retry import RETRYABLE_ERRORS, error_code, lost_answer, retrying
+from .retry import RETRYABLE_ERRORS, contended, error_code, lost_answer, retrying
 
 __all__ = ["OPTION_DEFAULTS", "DatabaseBackend", "database_now", "timeout_option"]
 
@@ -145,6 +146,9 @@ class DatabaseBackend(RowOperations, BaseBackend):
         self._without_function: set[str] = set()
         #: Picks how a single decision goes on the fast path (never what it decides).
         self._recent_denials = RecentDenials()
+        #: When the database last answered a call made under TIMEOUT: a call that then
+        #: runs out of it finds the database busy, not down.
+        self.answers = Answers()
         #: Internal errors by code that were retried, and that exhausted the retries:
         #: figures for tests and operations.
         self.retried: Counter[str] = Counter()
@@ -310,7 +314,7 @@ class DatabaseBackend(RowOperations, BaseBackend):
             ambiguous = maybe_applied and lost_answer(exc)
             if watch is not None and watch.fired:
                 self._abandon(alias, in_callers_transaction, exc)
-                raise BackendError(self._no_answer(alias), ambiguous=ambiguous) from exc
+                raise BackendError(self._no_answer(alias), ambiguous=ambiguous, busy=self.answers.recently()) from exc
             if in_callers_transaction:
                 if error_code(exc) in RETRYABLE_ERRORS:
                     raise
@@ -318,11 +322,15 @@ class DatabaseBackend(RowOperations, BaseBackend):
                 # A connection the server dropped would fail every later call of this
                 # thread outside a request cycle; Django reconnects once it is closed.
                 connection.close_if_unusable_or_obsolete()
-            raise BackendError(f"database {alias!r}: {type(exc).__name__}: {exc}", ambiguous=ambiguous) from exc
-        if watch is not None and watch.fired:
-            # The answer came just as the deadline passed: the decision stands, but its
-            # socket is shut down, so the connection must not be used again.
-            self._abandon(alias, in_callers_transaction, None)
+            raise BackendError(
+                f"database {alias!r}: {type(exc).__name__}: {exc}", ambiguous=ambiguous, busy=contended(exc)
+            ) from exc
+        if watch is not None:
+            if watch.fired:
+                # The answer came just as the deadline passed: the decision stands, but its
+                # socket is shut down, so the connection must not be used again.
+                self._abandon(alias, in_callers_transaction, None)
+            self.answers.answered()
         return outcome
 
     def _no_answer(self, alias: str) -> str:

@@ -19,12 +19,18 @@ from django.db import DatabaseError, connections, transaction
 
 from ...settings import tokenbucket_settings
 
-__all__ = ["RETRYABLE_ERRORS", "error_code", "lost_answer", "retrying"]
+__all__ = ["CONTENTION_ERRORS", "RETRYABLE_ERRORS", "contended", "error_code", "lost_answer", "retrying"]
 
 #: Errors after which the whole transaction may simply run again: serialization
 #: failures and deadlocks (PostgreSQL and distributed SQL), a unique violation from a
 #: creation race, InnoDB deadlocks and MariaDB's "record has changed".
 RETRYABLE_ERRORS = frozenset({"40001", "40P01", "23505", "1213", "1020"})
+
+#: Errors by which a server that is up says it gave up waiting: PostgreSQL's
+#: lock_not_available (``lock_timeout``) and query_canceled (``statement_timeout``),
+#: InnoDB's lock wait timeout, MariaDB's ``max_statement_time`` and MySQL's
+#: ``max_execution_time``. SQLite says "database is locked" (no code).
+CONTENTION_ERRORS = frozenset({"55P03", "57014", "1205", "1969", "3024"})
 
 
 T = TypeVar("T")
@@ -84,6 +90,14 @@ def lost_answer(exc: BaseException) -> bool:
     """
     code = error_code(exc)
     return code is None or code.startswith("08") or code == "40003" or (code.isdigit() and 2000 <= int(code) < 3000)
+
+
+def contended(exc: BaseException) -> bool:
+    """Whether a database error says the database is busy (a lock or time limit), not failing."""
+    code = error_code(exc)
+    if code is not None:
+        return code in CONTENTION_ERRORS
+    return "database is locked" in str(exc) or "database table is locked" in str(exc)
 
 
 def error_code(exc: BaseException) -> str | None:

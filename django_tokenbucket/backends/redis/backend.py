@@ -55,11 +55,12 @@ from ... import catalogue, clock
 from ...keys import EncodedKey
 from ...limits import LimitConfig
 from ...settings import tokenbucket_settings
-from ..base import BackendError, BaseBackend, Outcome, RecentDenials, Request, RowId, row_id, timeout_option
+from ..base import Answers, BackendError, BaseBackend, Outcome, RecentDenials, Request, RowId, row_id, timeout_option
 from .aio import AsyncioClients, missing_cache_error, not_django_redis_error
 from .bounded import (
     acluster_execute,
     aread,
+    awaited_reply,
     cluster_execute,
     expired,
     guarded,
@@ -174,6 +175,8 @@ class RedisBackend(KeyspaceListing, BaseBackend):
         #: Figures for tests and operations: store failures by exception class, and
         #: how often the script had to be sent again (NOSCRIPT).
         self.errors: Counter[str] = Counter()
+        #: When Redis last answered a decision: a reply that then times out finds it busy, not down.
+        self.answers = Answers()
         self.script_reloads = 0
         #: Which keys to read first (see ``_read``), and how often a read was "sent" and
         #: "decided" the call without the script.
@@ -359,6 +362,7 @@ class RedisBackend(KeyspaceListing, BaseBackend):
 
     def _learned(self, outcome: Outcome, requests: Sequence[Request], apply: bool) -> Outcome:
         """Return ``outcome``, after remembering whether its key is likely denied next time."""
+        self.answers.answered()
         if apply and len(requests) == 1:
             self.recent_denials.learn(self.cache_alias, requests[0], outcome.decisions[0])
         return outcome
@@ -440,7 +444,9 @@ class RedisBackend(KeyspaceListing, BaseBackend):
 
     def _failed(self, exc: BaseException, *, ambiguous: bool = False) -> BackendError:
         self.errors[type(exc).__name__] += 1
-        return BackendError(f"{type(exc).__name__}: {exc}", ambiguous=ambiguous)
+        return BackendError(
+            f"{type(exc).__name__}: {exc}", ambiguous=ambiguous, busy=awaited_reply(exc) and self.answers.recently()
+        )
 
     def _script_may_have_run(self, exc: BaseException) -> bool:
         """Whether the script may have run although the call failed.

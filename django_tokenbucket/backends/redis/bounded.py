@@ -55,6 +55,7 @@ __all__ = [
     "NodeUnavailable",
     "acluster_execute",
     "aread",
+    "awaited_reply",
     "cluster_execute",
     "expired",
     "guarded",
@@ -97,6 +98,14 @@ def node_of(pool: Any) -> str:
 def _connecting(exc: BaseException) -> bool:
     """Whether ``exc`` says no connection could be made (redis-py's words): nothing was sent."""
     return isinstance(exc, NodeUnavailable) or "connecting" in str(exc)
+
+
+def awaited_reply(exc: BaseException) -> bool:
+    """Whether ``exc`` is a reply that did not come in time on a connection that was made:
+    a busy server, where one that accepts no connection is unreachable."""
+    if not isinstance(exc, RedisTimeoutError) or getattr(exc, "tokenbucket_sent", True) is False:
+        return False
+    return isinstance(exc, DeadlineExceeded) or not _connecting(exc)
 
 
 def refused(node: str, breakers: Breakers = BREAKERS) -> NodeUnavailable:
