@@ -33,7 +33,7 @@ from django_tokenbucket import BackendUnavailable, LimitRequest, limiter
 from django_tokenbucket.algorithms import MAX_AMOUNT, MICRO, Decision, State
 from django_tokenbucket.api import Limiter
 from django_tokenbucket.backends import get_backend
-from django_tokenbucket.backends.base import BackendError, Outcome, Request
+from django_tokenbucket.backends.base import BUSY_WINDOW, BackendError, Outcome, Request
 from django_tokenbucket.backends.redis import BIGNUM_MARKER, SCRIPT, RedisBackend, state_key
 from django_tokenbucket.backends.redis.connections import _client_retries
 from django_tokenbucket.backends.redis.script import MAX_TTL_MS, _decision, _make_outcome, _msgpack, _reply_outcome
@@ -146,9 +146,9 @@ class CountingScripts(RedisBackend):
 
     scripts = 0
 
-    def _run(self, client, keys, argv, deadline=None):
+    def _run(self, client, keys, argv, deadline=None, pool=None):
         self.scripts += 1
-        return super()._run(client, keys, argv, deadline)
+        return super()._run(client, keys, argv, deadline, pool)
 
 
 @pytest.fixture
@@ -201,7 +201,7 @@ COMMON_PATH_ONLY = (
 
 
 class CommonPathOnly(RedisBackend):
-    def _run(self, client, keys, argv, deadline=None):
+    def _run(self, client, keys, argv, deadline=None, pool=None):
         return client.execute_command("EVAL", COMMON_PATH_ONLY, len(keys), *keys, *argv)
 
 
@@ -271,7 +271,7 @@ def test_the_general_path_decides_one_limit_as_the_common_path_does(backend):
     assert general_only != SCRIPT
 
     class GeneralPathOnly(RedisBackend):
-        def _run(self, client, keys, argv, deadline=None):
+        def _run(self, client, keys, argv, deadline=None, pool=None):
             return client.execute_command("EVAL", general_only, len(keys), *keys, *argv)
 
     config = parity._config(rate=5 * MICRO, period=MICRO, capacity=10 * MICRO, max_reserved=3 * MICRO)
@@ -545,17 +545,25 @@ def test_a_server_refusing_commands_is_a_backend_failure(ignore_exceptions):
 @pytest.mark.redis_processes
 @ERROR_PATHS
 def test_a_slow_server_times_out_into_the_fail_mode(ignore_exceptions):
-    """F4: the server stops answering; SOCKET_TIMEOUT=0.05 bounds every decision."""
+    """F4: the server stops answering; SOCKET_TIMEOUT=0.05 bounds every decision.
+
+    Just after an answer, a reply that times out is a busy Redis, refused even under
+    FAIL_OPEN (issue 35, item 7); once Redis has been silent for BUSY_WINDOW, it is taken
+    for down and the calls fail open.
+    """
     with private_redis(SOCKET_TIMEOUT=0.05, IGNORE_EXCEPTIONS=ignore_exceptions, fail_open=True) as server:
         assert limiter.limit("login", "slow").ok
         server.pause()
+        with pytest.raises(BackendUnavailable, match="the store is busy"):
+            limiter.limit("login", "slow")
+        time.sleep(BUSY_WINDOW)
         latencies = []
         for _ in range(20):
             started = time.perf_counter()
             status = limiter.limit("login", "slow")
             latencies.append(time.perf_counter() - started)
             assert status.ok and status.failed_open
-        assert get_backend().errors["TimeoutError"] == 20
+        assert get_backend().errors["TimeoutError"] == 21
         server.resume()
         assert limiter.limit("login", "slow").ok and not limiter.limit("login", "slow").failed_open
     latencies.sort()

@@ -160,8 +160,9 @@ async def test_a_server_that_stops_answering_is_an_ambiguous_failure_then_recove
             try:
                 with pytest.raises(BackendError) as failure:
                     await backend.adecide([Request(limiter.resolve("login"), encode_key("slow"), 1)], apply=True)
-                # The script was sent: it may have run.
+                # The script was sent: it may have run. Redis answered just before: busy, not down.
                 assert failure.value.ambiguous is True and "Timeout" in str(failure.value)
+                assert failure.value.busy is True
                 with pytest.raises(BackendError) as read:
                     await backend.adecide([Request(limiter.resolve("login"), encode_key("slow"), 0)], apply=False)
                 assert read.value.ambiguous is False  # a read applies nothing

@@ -67,7 +67,14 @@ from .bounded import (
     single_execute,
 )
 from .checks import check_cache
-from .connections import ClusterConnectionFactory, _may_have_run, _pooled_connection, _single_server_pool
+from .connections import (
+    ClusterConnectionFactory,
+    _may_have_run,
+    _pooled_connection,
+    _single_server_pool,
+    run_on_link,
+    script_pool,
+)
 from .keyspace import KeyspaceListing, _check_slots, _key_head, _node_clients, _state_key, state_key
 from .script import (
     _HEADERS,
@@ -87,14 +94,9 @@ from .script import (
 
 __all__ = ["RedisBackend"]
 
-
 _OPTIONS = {"CACHE", "TIMEOUT"}
-
-
 #: Limits whose arguments a backend keeps formatted.
 _LIMITS_CACHE_SIZE = 4096
-
-
 #: Bumped whenever CACHES or TOKENBUCKET changes, so that every backend reloads its
 #: client, key prefix and clock.
 _settings_generation = 0
@@ -119,6 +121,8 @@ class _Connection(NamedTuple):
     app_clock: bool
     #: The client's connection pool when it talks to one server (``_read``), else None.
     read_pool: Any
+    #: That pool again when the client never retries a command: the script runs on it directly.
+    script_pool: Any = None
 
 
 class _Limit(NamedTuple):
@@ -224,7 +228,7 @@ class RedisBackend(KeyspaceListing, BaseBackend):
                     return read
             keys, argv = self._command(connection, requests, apply=apply)
             _check_slots(connection.client, keys, requests)
-            reply = self._run(connection.client, keys, argv, deadline)
+            reply = self._run(connection.client, keys, argv, deadline, connection.script_pool)
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc, ambiguous=apply and self._script_may_have_run(exc)) from exc
         return self._learned(_reply_outcome(reply, len(requests)), requests, apply)
@@ -480,7 +484,7 @@ class RedisBackend(KeyspaceListing, BaseBackend):
         except NotImplementedError:
             raise not_django_redis_error(self.cache_alias) from None
         connection = self._connection = _Connection(
-            generation, client, *self._key_function(), _app_clock(), _single_server_pool(client)
+            generation, client, *self._key_function(), _app_clock(), _single_server_pool(client), script_pool(client)
         )
         return connection
 
@@ -541,7 +545,7 @@ class RedisBackend(KeyspaceListing, BaseBackend):
         fields = limit.reserve if request.reserve else limit.plain
         return _INDEX_AND_COUNT.pack(0xD3, key_index, 0xD3, request.count) + fields + fresh_ts
 
-    def _run(self, client: Any, keys: list[str], argv: list[str | bytes], deadline: float | None = None) -> Any:
+    def _run(self, client: Any, keys: list[str], argv: list[str | bytes], deadline: float | None, pool: Any) -> Any:
         script = self._script
         if script is None:
             with self._script_lock:
@@ -549,9 +553,12 @@ class RedisBackend(KeyspaceListing, BaseBackend):
                     self._script = client.register_script(SCRIPT)
                 script = self._script
         assert script is not None
-        # execute_command rather than evalsha(): the same command, without redis-py's
-        # per-call argument-deprecation wrapper.
-        execute = client.execute_command if deadline is None else self._bounded(client, keys[0], deadline)
+        # Not evalsha(): its per-call argument-deprecation wrapper; and on a client that
+        # never retries, not execute_command() either: its per-call hooks (run_on_link).
+        if deadline is not None:
+            execute = self._bounded(client, keys[0], deadline)
+        else:
+            execute = client.execute_command if pool is None else partial(run_on_link, pool)
         try:
             return execute("EVALSHA", script.sha, len(keys), *keys, *argv)
         except NoScriptError:
