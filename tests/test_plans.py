@@ -19,6 +19,8 @@ from django.core.management import CommandError, call_command
 from django.http import JsonResponse
 from django.test import RequestFactory, override_settings
 from django.views import View
+from rest_framework.response import Response
+from rest_framework.test import APIRequestFactory
 from rest_framework.views import APIView
 
 from django_tokenbucket import limiter, registry
@@ -29,6 +31,7 @@ from django_tokenbucket.keys import encode_key
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.plans import plan_limit
 from django_tokenbucket.testing import frozen_clock
+from django_tokenbucket.throttling import SimpleRateThrottle, UserRateThrottle
 
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
@@ -401,3 +404,64 @@ def test_the_registry_is_bounded(monkeypatch):
     for i in range(10):
         limiter.resolve(f"bounded_{i}", {"rate": f"{i + 1}/m"})
     assert sorted(registry._inline) == ["bounded_0", "bounded_1", "bounded_2"]
+
+
+# -- DRF: the recipe of docs/plans.md --------------------------------------------------------
+
+
+class PlanRateThrottle(UserRateThrottle):
+    """docs/plans.md's throttle, the plan read from the X-Plan header."""
+
+    THROTTLE_RATES = {"plan.free": "2/m", "plan.pro": "5/m"}
+    scope = "plan.free"
+
+    def get_scopes(self, request, view):
+        self.scope = f"plan.{request.headers.get('X-Plan', 'free')}"
+        self.rate = self.get_rate()
+        self.num_requests, self.duration = self.parse_rate(self.rate)
+        return [self.scope]
+
+    def get_rate(self):
+        return self.THROTTLE_RATES[self.scope]
+
+
+class Plans(APIView):
+    throttle_classes = [PlanRateThrottle]
+
+    def get(self, request):
+        return Response({"ok": True})
+
+
+class Burst(SimpleRateThrottle):
+    scope = "plans_burst"
+    rate = "100/m"
+
+    def get_cache_key(self, request, view):
+        return self.get_ident(request)
+
+
+class PlansAndBurst(APIView):
+    """With a sibling asked first, decided together: the plan is asked there too."""
+
+    throttle_classes = [Burst, PlanRateThrottle]
+
+    def get(self, request):
+        return Response({"ok": True})
+
+
+@pytest.mark.parametrize("view", [Plans, PlansAndBurst])
+def test_the_drf_recipe_gives_each_plan_its_bucket(view, backend, clock):
+    def codes_of(plan, n):
+        request = lambda: APIRequestFactory().get("/", headers={"X-Plan": plan})  # noqa: E731
+        return [view.as_view()(request()).status_code for _ in range(n)]
+
+    assert codes_of("free", 3) == [200, 200, 429]
+    assert codes_of("pro", 6) == [200] * 5 + [429]
+    assert limiter.get_value("plan.free", ADDRESS) == 0 and limiter.get_value("plan.pro", ADDRESS) == 0
+    if view is PlansAndBurst:  # the refused requests spent nothing on the sibling
+        assert limiter.get_value("plans_burst", "127.0.0.1", config={"rate": "100/m"}) == 93
+
+
+def test_the_drf_recipes_scopes_are_known_everywhere(elsewhere):
+    known = registry.known_limits()
+    assert known["plan.pro"].source == registry.THROTTLE_RATES and known["plan.pro"].config.rate == 5 * MICRO
