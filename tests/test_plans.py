@@ -8,14 +8,20 @@ or the tenant. Every decorator case runs on the database and on Redis.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+import time
 import warnings
 from io import StringIO
+from pathlib import Path
 
 import pytest
 from asgiref.sync import async_to_sync, iscoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
+from django.db import connection
 from django.http import JsonResponse
 from django.test import RequestFactory, override_settings
 from django.views import View
@@ -29,7 +35,7 @@ from django_tokenbucket.cleanup import cleanup
 from django_tokenbucket.decorators import ratelimit
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.models import RateLimit
-from django_tokenbucket.plans import plan_limit
+from django_tokenbucket.plans import plan_config, plan_limit
 from django_tokenbucket.testing import frozen_clock
 from django_tokenbucket.throttling import SimpleRateThrottle, UserRateThrottle
 
@@ -269,8 +275,6 @@ def test_stacked_with_a_plain_limit_all_or_nothing(backend, clock):
     ],
 )
 def test_a_plans_name_reads_back_as_its_config(spec):
-    from django_tokenbucket.plans import plan_config
-
     limit = plan_config("app.views.search", spec)
     assert limit.name.startswith("app.views.search[plan ")
     assert plan_limit(limit.name) == limit
@@ -465,3 +469,44 @@ def test_the_drf_recipe_gives_each_plan_its_bucket(view, backend, clock):
 def test_the_drf_recipes_scopes_are_known_everywhere(elsewhere):
     known = registry.known_limits()
     assert known["plan.pro"].source == registry.THROTTLE_RATES and known["plan.pro"].config.rate == 5 * MICRO
+
+
+# -- a real second process -------------------------------------------------------------------
+
+
+def run_elsewhere(*args: str) -> str:
+    """``manage.py tokenbucket ARGS`` in another OS process, on this test's database: a
+    process that has run none of this one's call sites."""
+    code = (
+        "import sys, django\n"
+        "django.setup()\n"
+        "from django.conf import settings\n"
+        f"settings.DATABASES['default']['NAME'] = {connection.settings_dict['NAME']!r}\n"
+        "from django.core.management import call_command\n"
+        "call_command('tokenbucket', *sys.argv[1:])\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(root)}
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=root, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout + result.stderr
+
+
+def test_another_process_reads_plans_and_keeps_call_site_rows():
+    # The other process reads the store's clock, not a pinned one: times are real here.
+    base, now = "tests.test_plans.sync_view", time.time()
+    assert codes(sync_view, "free", 3) == [200, 200, 429]
+    limiter.limit("partner_quota", "acme", config={"rate": "3/m"})
+    store(f"{base}[plan 5/60s]", ("ip", "10.0.0.9"), 5, now - 3600)  # idle: full again long since
+    store("partner_quota", "old", 3, now - 30 * 86400)
+    listing = run_elsewhere("list")
+    assert re.search(rf"^{re.escape(base)}\[plan 2/60s\] +token bucket: 2 per minute, capacity 2 \[plan\]  1 stored",
+                     listing, re.MULTILINE)
+    assert re.search(r"^partner_quota +decided with config= at call sites \(not in LIMITS\); not readable here  2 stored",
+                     listing, re.MULTILINE)
+    assert "remove-unknown" not in run_elsewhere("show", "partner_quota")
+    cleaned = run_elsewhere("cleanup")
+    assert f"{base}[plan 5/60s]: 1" in cleaned and "2 row(s) kept" in cleaned and "remove-unknown" not in cleaned
+    assert labels() == {"ip=127.0.0.1", "acme", "old"}
