@@ -30,6 +30,7 @@ from .settings import tokenbucket_settings
 from .status import Status
 
 __all__ = [
+    "PlanSpec",
     "RateCallable",
     "ViewLimit",
     "adecide_limits",
@@ -37,6 +38,7 @@ __all__ = [
     "decide_limits",
     "decide_view_limits",
     "pending_limits",
+    "plan_limit_of",
     "record_decisions",
 ]
 

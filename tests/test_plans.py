@@ -510,3 +510,11 @@ def test_another_process_reads_plans_and_keeps_call_site_rows():
     cleaned = run_elsewhere("cleanup")
     assert f"{base}[plan 5/60s]: 1" in cleaned and "2 row(s) kept" in cleaned and "remove-unknown" not in cleaned
     assert labels() == {"ip=127.0.0.1", "acme", "old"}
+
+
+def test_show_and_reset_a_plan_key_on_every_backend(backend, elsewhere, clock):
+    base = "tests.test_plans.sync_view"
+    assert codes(sync_view, "free", 3) == [200, 200, 429]
+    assert "tokens now:   0 of 2" in run("show", f"{base}[plan 2/60s]", "--key", "ip=127.0.0.1")
+    assert "it starts full again" in run("reset", f"{base}[plan 2/60s]", "--key", "ip=127.0.0.1")
+    assert codes(sync_view, "free", 1) == [200]
