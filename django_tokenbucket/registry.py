@@ -28,7 +28,7 @@ except ImportError:  # DRF is not installed: no throttles
     drf_settings = None  # type: ignore[assignment]
 
 from .limits import LimitConfig, parse_limit
-from .plans import plan_limit
+from .plans import is_plan_name, plan_limit
 from .settings import tokenbucket_settings
 from .shards import row_config
 
@@ -216,6 +216,13 @@ def _throttle_rates() -> dict[str, LimitConfig]:
     return limits
 
 
+def _inline_source(name: str, varied: set[str]) -> str:
+    # A plan's bucket reads the same here as in a process that never decided it.
+    if name in varied:
+        return INLINE_VARIED
+    return PLAN if is_plan_name(name) else INLINE
+
+
 def known_limits(*, load_views: bool = True, as_rows: bool = True) -> dict[str, KnownLimit]:
     """Return every limit this process can interpret, by name.
 
@@ -238,7 +245,7 @@ def known_limits(*, load_views: bool = True, as_rows: bool = True) -> dict[str, 
     # A throttle decides its scope with an inline config, remembered as it was then: the
     # scope's rate as configured now is what its rows mean.
     known.update(
-        (config.name, KnownLimit(config, INLINE_VARIED if config.name in varied else INLINE))
+        (config.name, KnownLimit(config, _inline_source(config.name, varied)))
         for config in inline
         if config.name not in throttles
     )

@@ -518,3 +518,9 @@ def test_show_and_reset_a_plan_key_on_every_backend(backend, elsewhere, clock):
     assert "tokens now:   0 of 2" in run("show", f"{base}[plan 2/60s]", "--key", "ip=127.0.0.1")
     assert "it starts full again" in run("reset", f"{base}[plan 2/60s]", "--key", "ip=127.0.0.1")
     assert codes(sync_view, "free", 1) == [200]
+
+
+def test_a_plan_reads_the_same_in_the_process_that_decided_it(clock):
+    codes(sync_view, "free", 1)
+    listing = {line.split("]")[0] + "]": line for line in run("list").splitlines()}
+    assert "capacity 2 [plan]  1 stored key(s)" in listing["tests.test_plans.sync_view[plan 2/60s]"]
