@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from .backends import row_backend
 from .backends.base import MAX_BATCH_SIZE, UNKNOWN_IDLE, CleanupReport
 from .limits import LimitConfig
-from .registry import known_limits
+from .registry import cleanup_limits
 
 __all__ = ["MAX_BATCH_SIZE", "UNKNOWN_IDLE", "CleanupReport", "cleanup", "database_alias", "unknown_names"]
 
@@ -49,17 +49,20 @@ def cleanup(
     """Delete idle rows of ``database`` (default: see ``row_backend``) in batches; return what was done.
 
     ``limits`` maps names to configs (default: every limit this process knows, see
-    ``registry.known_limits``); ``names`` restricts the run to some of them.
-    ``remove_unknown`` also deletes rows of names not in ``limits`` that nothing has
-    written for ``unknown_idle`` seconds (default: ``UNKNOWN_IDLE``, a week): such a name may be a limit
-    this process cannot see (used inline by another service), whose live rows must
-    survive. ``dry_run`` deletes nothing and reports what would go. ``max_seconds``
+    ``registry.cleanup_limits``, and the buckets of ``@ratelimit(rate=callable)``'s
+    plans, read from their names); ``names`` restricts the run to some of them. Rows of
+    a name not in ``limits`` are kept and reported (``report.unknown``): such a name may
+    be decided with ``config=`` at call sites this process never ran (another service,
+    a worker), whose live rows must survive. ``remove_unknown`` is the explicit choice
+    to delete them all the same once nothing has written them for ``unknown_idle``
+    seconds (default: ``UNKNOWN_IDLE``, a week), which is safe for every limit that
+    refills within that time. ``dry_run`` deletes nothing and reports what would go. ``max_seconds``
     bounds the run (``report.complete`` says whether it finished); ``pause`` sleeps
     between batches to leave the database to live traffic (default: none, except 0.1 s
     on SQLite, whose waiting writers poll for the lock).
     """
     if limits is None:
-        limits = {name: known.config for name, known in known_limits().items()}
+        limits = cleanup_limits()
     return row_backend(database).cleanup(
         limits,
         names=names,

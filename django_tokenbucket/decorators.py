@@ -13,12 +13,21 @@ from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponseBase
 from django.views.generic import View as DjangoView
 
+from . import registry
 from .api import limiter
 from .exceptions import BackendUnavailable
 from .http import add_ratelimit_headers, rate_limited_response, unavailable_response
 from .request_keys import KeySpec, validate_key_spec
 from .status import Status
-from .view_limits import ViewLimit, adecide_limits, chain_of, decide_limits, pending_limits, record_decisions
+from .view_limits import (
+    RateCallable,
+    ViewLimit,
+    adecide_limits,
+    chain_of,
+    decide_limits,
+    pending_limits,
+    record_decisions,
+)
 
 __all__ = ["ALL", "UNSAFE", "declared_limits", "ratelimit"]
 
@@ -83,7 +92,7 @@ def ratelimit(
     name: str | None = None,
     *,
     key: KeySpec = "ip",
-    rate: str | float | None = None,
+    rate: str | float | RateCallable | None = None,
     period: float | timedelta | None = None,
     capacity: float | None = None,
     kind: str | None = None,
@@ -106,6 +115,14 @@ def ratelimit(
     awaited). ``count`` (or a callable of the request) weighs a request; ``method``
     restricts which HTTP methods count (``ALL``, ``UNSAFE``, a name or a list).
 
+    ``rate`` may be a callable of the request (an ``async def`` on an ``async def``
+    view) that returns the request's plan: a rate string (``"1000/h"``), a config dict
+    (as a ``LIMITS`` entry: rate, period, capacity, kind, max_reserved, backend...), or
+    None to exempt the request (nothing is counted). Each plan has its own bucket per
+    key, named ``<name>[plan <its config>]`` after this limit's name, so that every
+    process (the admin, ``manage.py tokenbucket``, cleanup) reads its rows exactly;
+    docs/plans.md says why and what a change of plan does.
+
     A denied request gets 429 with ``Retry-After`` when ``block`` is true; otherwise the
     view runs and sees ``request.limited`` (bool) and ``request.ratelimit`` (the Status).
     If the store fails and ``FAIL_OPEN`` is off, the answer is 503.
@@ -116,7 +133,15 @@ def ratelimit(
     validate_key_spec(key)
     methods = _methods(method)
     config: dict[str, Any] | None = None
-    if rate is not None:
+    plans: RateCallable | None = None
+    if callable(rate):
+        if period is not None or capacity is not None or kind is not None or shadow or backend is not None:
+            raise ImproperlyConfigured(
+                "@ratelimit(rate=callable): the callable returns each request's whole config (a rate string, "
+                "or a dict with period, capacity, kind, shadow, backend...); give none of them to @ratelimit"
+            )
+        plans = rate
+    elif rate is not None:
         config = {"rate": rate}
         for option, value in (("period", period), ("capacity", capacity), ("kind", kind), ("backend", backend)):
             if value is not None:
@@ -133,12 +158,16 @@ def ratelimit(
 
     def limit_of(view: Any, below: tuple[ViewLimit, ...], options_free: bool) -> ViewLimit:
         """Return this decorator's limit on ``view``, registered for the system checks."""
-        limit_name = name or _default_name(view, below, rate, period, methods, key)
-        if config is None:
+        shown_rate = rate if plans is None else getattr(plans, "__name__", "rate")
+        limit_name = name or _default_name(view, below, shown_rate, period, methods, key)  # type: ignore[arg-type]
+        if plans is not None:
+            # Named per plan at request time; the command lists the callable here.
+            registry.record_plan_base(limit_name, _view_path(view))
+        elif config is None:
             _declared.setdefault(limit_name, _view_path(view))
         else:
             limiter.resolve(limit_name, config)  # a bad inline limit fails at import, not per request
-        return ViewLimit(limit_name, key, config, methods, count, block, options_free)
+        return ViewLimit(limit_name, key, config, methods, count, block, options_free, rate=plans)
 
     def decorator(view: View) -> View:
         drf_class = _drf_view_class(view)
@@ -164,7 +193,7 @@ def _limit_function(view: Callable[..., Any], this: ViewLimit, below: tuple[View
     chain = (this, *below)
     if not iscoroutinefunction(view) and any(limit.awaits() for limit in chain):
         raise ImproperlyConfigured(
-            f"@ratelimit on {_view_path(view)}: an async def key= or count= can only "
+            f"@ratelimit on {_view_path(view)}: an async def key=, count= or rate= can only "
             f"be awaited on an async def view; give this sync view a plain function"
         )
     if below:
@@ -230,7 +259,7 @@ def _limit_drf_view(
     if any(limit.awaits() for limit in chain):
         raise ImproperlyConfigured(
             f"@ratelimit on {_view_path(view_class)}: DRF authenticates synchronously; "
-            f"an async def key= or count= cannot be awaited there"
+            f"an async def key=, count= or rate= cannot be awaited there"
         )
     if is_class:
         limit_after_authentication(view_class, chain)

@@ -1,16 +1,21 @@
-"""Every limit this process can interpret: ``LIMITS``, inline limits, DRF throttle rates.
+"""Every limit this process can interpret: ``LIMITS``, inline limits, DRF throttle rates, plans.
 
 Stored rows hold only ``(value, ts)``; what they mean depends on their limit's config.
 The admin, the management command and cleanup need that config for rows of inline
-limits too (``@ratelimit(rate=...)``, DRF scopes from ``DEFAULT_THROTTLE_RATES``), or
-they would take live state for a leftover of a deleted limit.
+limits too (``@ratelimit(rate=...)``, ``config=`` at a call site, DRF scopes from
+``DEFAULT_THROTTLE_RATES``), or they would take live state for a leftover of a
+deleted limit. The buckets of ``@ratelimit(rate=callable)`` spell their config in
+their name (``plans``), so every process reads them (``interpret``).
+
+A name decided with ``config=`` only in some other process (a service's own call
+sites) cannot be read here: it is reported as such (``CALL_SITES``), never as garbage.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 from django.conf import settings
@@ -23,30 +28,51 @@ except ImportError:  # DRF is not installed: no throttles
     drf_settings = None  # type: ignore[assignment]
 
 from .limits import LimitConfig, parse_limit
+from .plans import is_plan_name, plan_limit
 from .settings import tokenbucket_settings
 from .shards import row_config
 
 __all__ = [
+    "CALL_SITES",
     "INLINE",
+    "INLINE_VARIED",
+    "PLAN",
     "SETTINGS",
     "THROTTLE_RATES",
+    "CleanupLimits",
     "KnownLimit",
     "add_throttle_rates_source",
+    "cleanup_limits",
+    "interpret",
     "known_limits",
+    "plan_bases",
     "record_inline",
+    "record_plan_base",
 ]
 
 logger = logging.getLogger("django_tokenbucket")
 
 SETTINGS = "settings"
 INLINE = "inline"
+#: A name this process has seen decided with two or more configs (``config=PLANS[plan]``
+#: under one name): its rows are shown under the latest, and cleanup leaves them alone,
+#: since a row idle under one config may be in debt under another.
+INLINE_VARIED = "inline, several configs seen; shown with the latest"
 THROTTLE_RATES = "DRF throttle rates"
+#: A bucket of ``@ratelimit(rate=callable)``, its config read from its name.
+PLAN = "plan"
+#: What a process says of stored rows whose limit it cannot read.
+CALL_SITES = "decided with config= at call sites (not in LIMITS)"
 
 #: Inline limits seen by this process, by name. Bounded, because a caller could build
 #: names from request data; past the bound, new names are interpreted as unknown
 #: (reported, never deleted without ``--remove-unknown``), which is the safe side.
 _inline: dict[str, LimitConfig] = {}
+_varied: set[str] = set()
 _INLINE_MAX = 4096
+#: The names of ``@ratelimit(rate=callable)`` decorators (the prefix of their plans'
+#: buckets), by the view: come from code, bounded all the same.
+_plan_bases: dict[str, str] = {}
 _lock = threading.Lock()
 
 #: Where the rates that throttle classes declare themselves come from (scope ->
@@ -83,8 +109,76 @@ def record_inline(limit: LimitConfig) -> None:
     if limit.name.startswith(_PHANTOM):
         return
     with _lock:
-        if limit.name in _inline or len(_inline) < _INLINE_MAX:
+        seen = _inline.get(limit.name)
+        if seen is not None or len(_inline) < _INLINE_MAX:
+            if seen is not None and seen != limit:
+                _varied.add(limit.name)
             _inline[limit.name] = limit
+
+
+def record_plan_base(base: str, view: str) -> None:
+    """Remember that ``view``'s ``@ratelimit(rate=callable)`` names its plans' buckets ``base[plan ...]``."""
+    if base.startswith(_PHANTOM):
+        return
+    with _lock:
+        if base in _plan_bases or len(_plan_bases) < _INLINE_MAX:
+            _plan_bases[base] = view
+
+
+def plan_bases(*, load_views: bool = True) -> dict[str, str]:
+    """Return the names of ``@ratelimit(rate=callable)`` decorators, with the view of each."""
+    if load_views:
+        _load_views()
+    with _lock:
+        return dict(_plan_bases)
+
+
+def interpret(name: str, limits: Mapping[str, KnownLimit] | None = None, *, as_rows: bool = True) -> KnownLimit | None:
+    """Return how this process reads the rows of ``name`` (from ``limits``, default
+    ``known_limits()``, else a plan's name), or None when it cannot."""
+    known = (known_limits(as_rows=as_rows) if limits is None else limits).get(name)
+    if known is not None:
+        return known
+    plan = plan_limit(name)
+    if plan is None:
+        return None
+    return KnownLimit(row_config(plan) if as_rows else plan, PLAN)
+
+
+class CleanupLimits(Mapping[str, LimitConfig]):
+    """The configs cleanup may read rows with: ``known``'s (by name), and any plan's bucket.
+
+    Iterating gives ``known``'s names only; a plan's bucket is found by its name, among
+    the names stored (``name in limits``), since only the store knows which plans were used.
+    """
+
+    def __init__(self, known: Mapping[str, LimitConfig]) -> None:
+        self._known = dict(known)
+
+    def __getitem__(self, name: str) -> LimitConfig:
+        config = self._known.get(name)
+        if config is None:
+            plan = plan_limit(name)
+            if plan is None:
+                raise KeyError(name)
+            config = row_config(plan)
+        return config
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._known)
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+
+def cleanup_limits() -> CleanupLimits:
+    """Return the limits whose idle rows cleanup may delete, read as ``known_limits`` reads them.
+
+    A name seen with several configs (``INLINE_VARIED``) is left out: a row full under one
+    of them may be in debt under another, and deleting it would hand out a fresh bucket.
+    """
+    known = known_limits()
+    return CleanupLimits({name: limit.config for name, limit in known.items() if limit.source != INLINE_VARIED})
 
 
 def _load_views() -> None:
@@ -122,6 +216,13 @@ def _throttle_rates() -> dict[str, LimitConfig]:
     return limits
 
 
+def _inline_source(name: str, varied: set[str]) -> str:
+    # A plan's bucket reads the same here as in a process that never decided it.
+    if name in varied:
+        return INLINE_VARIED
+    return PLAN if is_plan_name(name) else INLINE
+
+
 def known_limits(*, load_views: bool = True, as_rows: bool = True) -> dict[str, KnownLimit]:
     """Return every limit this process can interpret, by name.
 
@@ -140,9 +241,14 @@ def known_limits(*, load_views: bool = True, as_rows: bool = True) -> dict[str, 
     known.update((name, KnownLimit(config, SETTINGS)) for name, config in tokenbucket_settings.limits().items())
     with _lock:
         inline = list(_inline.values())
+        varied = set(_varied)
     # A throttle decides its scope with an inline config, remembered as it was then: the
     # scope's rate as configured now is what its rows mean.
-    known.update((config.name, KnownLimit(config, INLINE)) for config in inline if config.name not in throttles)
+    known.update(
+        (config.name, KnownLimit(config, _inline_source(config.name, varied)))
+        for config in inline
+        if config.name not in throttles
+    )
     if not as_rows:
         return known
     # A sharded limit's rows are its shards: they read (in the admin, for cleanup) under

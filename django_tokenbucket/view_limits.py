@@ -10,29 +10,92 @@ into DRF's ``Throttled`` (``throttling.views``).
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
+from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest
 from django.utils.functional import LazyObject, empty
 
+from . import registry
 from .api import LimitRequest, limiter
+from .limits import LimitConfig, freeze
+from .plans import plan_config
 from .request_keys import KeySpec, request_key
 from .settings import tokenbucket_settings
 from .status import Status
 
 __all__ = [
+    "PlanSpec",
+    "RateCallable",
     "ViewLimit",
     "adecide_limits",
     "chain_of",
     "decide_limits",
     "decide_view_limits",
     "pending_limits",
+    "plan_limit_of",
     "record_decisions",
 ]
+
+
+#: What a rate callable returns: a rate string (``"100/m"``), a config dict (as a
+#: ``LIMITS`` entry), or None to exempt the request.
+PlanSpec = Union[str, Mapping[str, Any], None]
+#: ``@ratelimit(rate=...)`` decided per request: a function of the request (an ``async
+#: def`` on an async view).
+RateCallable = Union[Callable[[HttpRequest], PlanSpec], Callable[[HttpRequest], Awaitable[PlanSpec]]]
+
+_plans: dict[Any, LimitConfig] = {}
+_PLANS_SIZE = 1024
+
+
+def plan_limit_of(base: str, rate: Any, returned: object) -> LimitConfig | None:
+    """Return the limit that ``rate``, a rate callable of the limit ``base``, chose by returning
+    ``returned``: the bucket of that plan (``plans``), or None to exempt the request.
+
+    Raises ImproperlyConfigured naming the limit and quoting what was returned when it
+    is neither a rate string, a config dict nor None, or not a valid config.
+    """
+    if returned is None:
+        return None
+    if not isinstance(returned, (str, Mapping)):
+        if inspect.iscoroutine(returned):
+            returned.close()  # never awaited: say so here rather than in a RuntimeWarning
+        raise ImproperlyConfigured(
+            f"@ratelimit {base!r}: the rate callable {_qualname(rate)} returned {returned!r}; expected a rate "
+            f"string such as '100/m', a config dict such as {{'rate': 100, 'period': 60}}, or None to exempt "
+            f"the request"
+        )
+    try:
+        cache_key = (base, freeze(returned))
+        hash(cache_key)
+    except TypeError:
+        cache_key = None
+    limit = _plans.get(cache_key) if cache_key is not None else None
+    if limit is None:
+        try:
+            limit = plan_config(base, returned)
+        except ImproperlyConfigured as exc:
+            raise ImproperlyConfigured(
+                f"@ratelimit {base!r}: the rate callable {_qualname(rate)} returned {returned!r}: {exc}"
+            ) from None
+        # Known to the admin, the command and cleanup of this process at once (other
+        # processes read the plan from the bucket's name).
+        registry.record_inline(limit)
+        if cache_key is not None:
+            if len(_plans) >= _PLANS_SIZE:
+                _plans.clear()  # configs come from code: a full cache means a plan per request, misused
+            _plans[cache_key] = limit
+    return limit
+
+
+def _qualname(function: Any) -> str:
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +111,13 @@ class ViewLimit:
     #: Whether the view answers OPTIONS without running its own code (Django's and DRF's
     #: class-based views): only there is OPTIONS left uncounted by default.
     options_free: bool = False
+    #: ``@ratelimit(rate=callable)``: the config is the plan the callable returns for each
+    #: request, in a bucket of that plan's (``plans``); ``name`` is the buckets' prefix.
+    rate: RateCallable | None = None
+
+    def limit_for(self, returned: object) -> LimitConfig | None:
+        """Return the limit a request takes from, given what the rate callable returned (if any)."""
+        return plan_limit_of(self.name, self.rate, returned)
 
     def request_for(self, request: HttpRequest) -> LimitRequest | None:
         """Return what ``request`` takes from this limit, or None when it does not count."""
@@ -58,9 +128,14 @@ class ViewLimit:
             return None
         # Never an async def here: the decorator refuses one on a sync view, and plans it
         # with arequest_for on an async one.
+        config: LimitConfig | dict[str, Any] | None = self.config
+        if self.rate is not None:
+            config = self.limit_for(self.rate(request))
+            if config is None:
+                return None  # the plan exempts this request: nothing is counted
         count: Any = self.count
         weight = count(request) if callable(count) else count
-        return LimitRequest(self.name, ident, weight, config=self.config)
+        return LimitRequest(config.name if isinstance(config, LimitConfig) else self.name, ident, weight, config=config)
 
     async def arequest_for(self, request: HttpRequest) -> LimitRequest | None:
         """``request_for`` on an event loop: a key or count that is an ``async def`` is awaited."""
@@ -70,12 +145,18 @@ class ViewLimit:
         ident = await key(request) if iscoroutinefunction(key) else request_key(request, key)
         if ident is None:
             return None
+        config: LimitConfig | dict[str, Any] | None = self.config
+        rate: Any = self.rate
+        if rate is not None:
+            config = self.limit_for(await rate(request) if iscoroutinefunction(rate) else rate(request))
+            if config is None:
+                return None
         count: Any = self.count
         if iscoroutinefunction(count):
             weight = await count(request)
         else:
             weight = count(request) if callable(count) else count
-        return LimitRequest(self.name, ident, weight, config=self.config)
+        return LimitRequest(config.name if isinstance(config, LimitConfig) else self.name, ident, weight, config=config)
 
     def counts(self, request: HttpRequest) -> bool:
         """Whether this limit counts requests of ``request``'s method."""
@@ -86,8 +167,14 @@ class ViewLimit:
         return request.method in self.methods
 
     def awaits(self) -> bool:
-        """Whether its key or count is an ``async def`` (which only an async view can await)."""
-        return iscoroutinefunction(self.key) or iscoroutinefunction(self.count)
+        """Whether its key, count or rate is an ``async def`` (which only an async view can await)."""
+        return iscoroutinefunction(self.key) or iscoroutinefunction(self.count) or iscoroutinefunction(self.rate)
+
+    def native(self) -> bool:
+        """Whether its store answers on the event loop; a plan's store is known per request only."""
+        if self.rate is not None:
+            return False
+        return limiter.backend(limiter.resolve(self.name, self.config)).asyncio_native
 
 
 def chain_of(view: Any) -> tuple[ViewLimit, ...]:
@@ -129,7 +216,7 @@ async def adecide_limits(request: HttpRequest, limits: list[ViewLimit]) -> list[
     project's, or the user when it is not loaded yet (the session and user lookups query
     the database).
     """
-    native = all(limiter.backend(limiter.resolve(limit.name, limit.config)).asyncio_native for limit in limits)
+    native = all(limit.native() for limit in limits)
     if not native and not any(limit.awaits() for limit in limits):
         return await sync_to_async(decide_limits)(request, limits)
     asked = await _aplan(request, limits)
@@ -154,8 +241,9 @@ async def _aplan(request: HttpRequest, limits: list[ViewLimit]) -> list[tuple[Vi
 
 def _plans_on_the_loop(request: HttpRequest, limit: ViewLimit) -> bool:
     """Whether planning ``limit`` for ``request`` does no blocking I/O."""
-    if callable(limit.count) and not iscoroutinefunction(limit.count):
-        return False  # the project's code: it may query anything
+    for function in (limit.count, limit.rate):
+        if callable(function) and not iscoroutinefunction(function):
+            return False  # the project's code: it may query anything
     spec = limit.key
     if callable(spec):
         return iscoroutinefunction(spec)  # an async def is awaited; a plain function may block

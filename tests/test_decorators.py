@@ -411,7 +411,7 @@ def test_an_async_key_or_count_on_a_sync_view_is_an_error_at_decoration():
         return 1
 
     for options in ({"key": key}, {"count": cost}):
-        with pytest.raises(ImproperlyConfigured, match=r"@ratelimit on .*view: an async def key= or count= can only"):
+        with pytest.raises(ImproperlyConfigured, match=r"@ratelimit on .*view: an async def key=, count= or rate= can only"):
 
             @ratelimit(rate="1/m", **options)
             def view(request):

@@ -23,7 +23,7 @@ from .. import operations
 from ..algorithms import MICRO
 from ..backends import row_backend
 from ..models import RateLimit
-from ..registry import known_limits
+from ..registry import interpret, known_limits
 from ..text import format_tokens
 from . import buckets
 from .buckets import BucketAdminViews
@@ -158,7 +158,7 @@ class BucketActions(BucketAdminViews):
         logged: list[tuple[RateLimit, int, str]] = []
         skipped = 0
         for obj in rows:
-            known = limits.get(obj.name)
+            known = interpret(obj.name, limits)
             changed = None if known is None else operations.set_tokens(backend, known.config, obj.key, value)
             if changed is None:
                 skipped += 1

@@ -26,7 +26,7 @@ from ..backends import row_backend
 from ..keys import label_as_typed
 from ..live import LiveState, live_state
 from ..models import RateLimit
-from ..registry import KnownLimit, known_limits
+from ..registry import KnownLimit, interpret, known_limits
 from ..text import describe_rate, format_duration, format_tokens
 
 __all__ = ["BucketColumns", "CappedPaginator"]
@@ -89,7 +89,7 @@ def _context(request: HttpRequest, alias: str) -> _Context:
 def _row(obj: RateLimit, context: _Context) -> _Row:
     row: _Row | None = getattr(obj, "_tokenbucket_row", None)
     if row is None:
-        known = context.limits.get(obj.name)
+        known = interpret(obj.name, context.limits)
         live = None
         if known is not None:
             live = live_state(known.config, State(obj.value, obj.ts), obj.key, context.now)
@@ -161,7 +161,10 @@ class BucketColumns:
             return format_html(
                 '{} <span class="tb-unknown" title="{}">{}</span>',
                 obj.name,
-                _("No limit of this name is configured: its rows cannot be interpreted."),
+                _(
+                    "No limit of this name is configured here: its rows cannot be interpreted. It may be decided "
+                    "with config= at call sites elsewhere (a service or worker), or no longer used."
+                ),
                 _("not configured"),
             )
         return format_html("{}", obj.name)

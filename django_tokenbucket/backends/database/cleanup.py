@@ -85,15 +85,20 @@ def cleanup(
     deadline = None if max_seconds is None else started + max_seconds
     report = CleanupReport(dry_run=dry_run)
 
-    report.unknown = {name: rows for name, rows in stored_names(alias).items() if name not in limits}
-    selected = list(limits) if names is None else [name for name in names if name in limits]
+    stored = stored_names(alias)
+    report.unknown = {name: rows for name, rows in stored.items() if name not in limits}
+    # ``limits`` may read names it does not list (the buckets of a plan, named after
+    # their config): those stored are walked too.
+    listed = set(limits)
+    found = [name for name in stored if name not in listed and name in limits]
+    selected = [*limits, *found] if names is None else [name for name in names if name in limits]
     work: list[tuple[str, LimitConfig | None]] = [(name, limits[name]) for name in sorted(selected)]
     if remove_unknown and names is None:
         work += [(name, None) for name in sorted(report.unknown)]
     elif report.unknown:
         logger.info(
-            "rate-limit cleanup: rows of limits that are not configured were kept: %s "
-            "(delete them with remove_unknown / --remove-unknown)",
+            "rate-limit cleanup: rows of limits this process cannot read were kept (decided with config= "
+            "at call sites elsewhere, or no longer used): %s",
             ", ".join(f"{name!r} ({rows})" for name, rows in report.unknown.items()),
         )
 

@@ -18,6 +18,12 @@ differently, so:
 ``reset`` exits non-zero when the key has nothing to reset, rather than report a reset
 of a bucket nobody uses.
 
+Rows of a name this process cannot read are reported as decided with ``config=`` at call
+sites (the limit of a service or worker that passes its config in code, or one no
+longer used), never as garbage to delete: ``cleanup`` keeps them unless told otherwise
+(``--remove-unknown``). The buckets of ``@ratelimit(rate=callable)`` spell their plan's
+config in their name (``django_tokenbucket.plans``), so every process reads them.
+
 Every subcommand works on every backend a limit may be stored on (its ``"backend"``):
 on the database backend through its rows, on Redis through ``SCAN`` pages (counting and
 resetting a whole limit walk its keys). ``--database`` reads the ``RateLimit`` rows of
@@ -40,7 +46,7 @@ from ...cleanup import MAX_BATCH_SIZE, cleanup, database_alias
 from ...keys import as_typed, encode_key
 from ...limits import LimitConfig
 from ...live import FULL, LIMITED, PARTIAL, LiveState, live_state
-from ...registry import KnownLimit, known_limits
+from ...registry import CALL_SITES, KnownLimit, interpret, known_limits, plan_bases
 from ...request_keys import key_from_text
 from ...text import describe_rate, format_duration, format_tokens
 
@@ -120,8 +126,8 @@ class Command(BaseCommand):
         clean.add_argument(
             "--remove-unknown",
             action="store_true",
-            help="Also delete rows of limits that are not configured, once nothing has written them for "
-            "--unknown-idle seconds.",
+            help="Also delete rows of names this process cannot read (limits decided with config= at call "
+            "sites it never ran, or no longer used), once nothing has written them for --unknown-idle seconds.",
         )
         clean.add_argument(
             "--unknown-idle",
@@ -152,20 +158,21 @@ class Command(BaseCommand):
 
     def _known(self, name: str, database: str | None, *, as_rows: bool = True) -> KnownLimit:
         limits = known_limits(as_rows=as_rows)
-        if name in limits:
-            return limits[name]
-        known = ", ".join(sorted(limits)) or "none"
-        message = (
-            f"unknown rate limit {name!r}: not in TOKENBUCKET['LIMITS'], not declared inline by a view, "
-            f"and not a DRF throttle scope (known: {known})"
-        )
-        stored = row_backend(database).stored_names().get(name, 0)
+        known = interpret(name, limits, as_rows=as_rows)
+        if known is not None:
+            return known
+        stored = self._stored_rows(name, database)
         if stored:
-            message += (
-                f". {stored} row(s) are stored under this name: "
-                f"'manage.py tokenbucket cleanup --remove-unknown' deletes them"
-            )
-        raise CommandError(message)
+            raise CommandError(_unreadable(name, stored))
+        listed = ", ".join(sorted(limits)) or "none"
+        raise CommandError(
+            f"unknown rate limit {name!r}: not in TOKENBUCKET['LIMITS'], not declared inline by a view, "
+            f"not a DRF throttle scope, and nothing is stored under it (known: {listed})"
+        )
+
+    @staticmethod
+    def _stored_rows(name: str, database: str | None) -> int:
+        return row_backend(database).stored_names().get(name, 0)
 
     def _key(self, options: dict[str, Any]) -> object:
         raw = options["key"]
@@ -239,17 +246,22 @@ class Command(BaseCommand):
         counts: dict[str, int | str] = {}
         if not no_counts:
             counts.update(operations.count_stored(limits, database))
-        names = sorted(set(limits) | set(counts))
+        bases = {f"{base}[plan ...]": view for base, view in plan_bases(load_views=False).items()}
+        names = sorted(set(limits) | set(counts) | set(bases))
         if not names:
             self.stdout.write("No rate limits are configured, and none are stored.")
             return
         width = max(len(name) for name in names)
         for name in names:
-            known = limits.get(name)
+            if name in bases:
+                self.stdout.write(f"{name:<{width}}  a bucket per plan: the rate callable of {bases[name]}")
+                continue
+            known = interpret(name, limits)
             count = counts.get(name, 0)
             stored = "" if no_counts else f"  {count} stored key(s)" if isinstance(count, int) else f"  {count}"
             if known is None:
-                self.stdout.write(f"{name:<{width}}  NOT CONFIGURED{stored}")
+                # Live rows, perhaps: another process decides them with its own config=.
+                self.stdout.write(f"{name:<{width}}  {CALL_SITES}; not readable here{stored}")
             else:
                 where = "" if database is not None else f" on {known.config.backend!r}"
                 self.stdout.write(f"{name:<{width}}  {describe_rate(known.config)} [{known.source}]{stored}{where}")
@@ -257,6 +269,17 @@ class Command(BaseCommand):
     # -- show ------------------------------------------------------------------------
 
     def handle_show(self, *, name: str, database: str | None, **options: Any) -> None:
+        whole = options["key"] is None and options.get("request_key") is None
+        if whole and interpret(name, as_rows=True) is None:
+            stored = self._stored_rows(name, database)
+            if stored:
+                # Not an error: the rows are there and someone decides them; this process
+                # only lacks their config.
+                self._require_no_key_form(options)
+                self.stdout.write(f"{name}: {CALL_SITES}")
+                self.stdout.write(f"  stored keys:     {stored}")
+                self.stdout.write(f"  {_unreadable(name, stored)}.")
+                return
         known = self._known(name, database, as_rows=not _one_key(options))
         limit = known.config
         self.stdout.write(f"{name}: {describe_rate(limit)} [{known.source}]")
@@ -341,7 +364,9 @@ class Command(BaseCommand):
         names = options["names"]
         if names:
             limits = known_limits()
-            unknown = [name for name in names if name not in limits]
+            # A name with rows is asked about on purpose: its rows are reported (and kept).
+            stored = row_backend(database).stored_names()
+            unknown = [name for name in names if interpret(name, limits) is None and not stored.get(name)]
             if unknown:
                 raise CommandError(
                     f"unknown rate limit(s) {', '.join(map(repr, unknown))}; "
@@ -402,13 +427,29 @@ class Command(BaseCommand):
                     gone = report.deleted.get(name, 0)
                     verb = "would be removed" if report.dry_run else "removed"
                     self.stderr.write(
-                        f"Limit {name!r} is not configured: {gone} of {rows} row(s) {verb} "
-                        f"(the others were written too recently)."
+                        f"Limit {name!r} cannot be read here ({CALL_SITES}, or no longer used): {gone} of {rows} "
+                        f"row(s) {verb} (the others were written too recently)."
                     )
                 else:
-                    self.stderr.write(f"Limit {name!r} is not configured: {rows} row(s) kept.")
+                    self.stderr.write(
+                        f"Limit {name!r} cannot be read here ({CALL_SITES}, or no longer used): {rows} row(s) kept."
+                    )
             if not removed:
-                self.stderr.write("Delete rows of limits that are not configured with --remove-unknown.")
+                # Never a hint to delete them: they may be live buckets of another process.
+                self.stderr.write(
+                    "Rows this process cannot read are kept. Define those limits in TOKENBUCKET['LIMITS'] (or "
+                    "decide them with @ratelimit(rate=callable)) and cleanup reads and tidies them too."
+                )
+
+
+def _unreadable(name: str, stored: int) -> str:
+    """Say why the command cannot read ``name``'s ``stored`` rows, and how to make it able to."""
+    return (
+        f"{stored} row(s) are stored under {name!r}, which is not in TOKENBUCKET['LIMITS'], not declared by a "
+        f"view and not a DRF throttle scope: the limit of code that passes config= at its call sites (a service "
+        f"or worker this process never ran), or no longer used. This process cannot read their tokens; define "
+        f"the limit in TOKENBUCKET['LIMITS'] to read and tidy them here"
+    )
 
 
 def _cleanup_databases() -> list[str]:
