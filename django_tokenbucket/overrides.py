@@ -33,7 +33,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -206,6 +206,12 @@ _due = 0.0
 _generation = 0
 _lock = threading.Lock()
 _settings: Settings | bool | None = True  # True: not read yet
+#: Changes this process made inside transactions not over yet: (the writer's connection,
+#: the ``on_commit`` callback that reads the overrides again). A rollback runs nothing,
+#: but removes the callback from the connection's pending ones: the next decision, on
+#: any thread, sees it gone and reads again, rather than apply a change that never was
+#: for up to MAX_AGE (a TestCase's override leaking into the next test).
+_pending: list[tuple[Any, Callable[[], None]]] = []
 
 
 def active() -> Settings | None:
@@ -240,14 +246,39 @@ def lookup(name: str, digest: str) -> Override | None:
 
 def refresh_if_due() -> None:
     """Read the version stamp (and the overrides, if it changed) when MAX_AGE has passed."""
+    if _pending:
+        _settle()
     if time.monotonic() >= _due:
         _refresh()
 
 
 async def arefresh_if_due() -> None:
     """``refresh_if_due()`` for async code: the queries run in a worker thread."""
+    if _pending:
+        _settle()
     if time.monotonic() >= _due:
         await sync_to_async(_refresh)()
+
+
+def _settle() -> None:
+    """Read again if a change made here inside a transaction was rolled back."""
+    gone = []
+    for entry in list(_pending):
+        writer, callback = entry
+        # Another thread's connection: its list is copied, not iterated while it changes.
+        if not any(waiting[1] is callback for waiting in list(writer.run_on_commit)):
+            gone.append(entry)
+    if gone:
+        for entry in gone:
+            _discard(entry)
+        invalidate()
+
+
+def _discard(entry: tuple[Any, Callable[[], None]]) -> None:
+    try:
+        _pending.remove(entry)
+    except ValueError:  # another thread discarded it first
+        pass
 
 
 def invalidate() -> None:
@@ -424,10 +455,20 @@ def _bump(alias: str) -> None:
 
 def _changed(alias: str) -> None:
     invalidate()
-    if connections[alias].in_atomic_block:
-        # Read again when the change commits too: until then this process' next read,
-        # on another thread's connection, would not see it.
-        transaction.on_commit(invalidate, using=alias)
+    writer = connections[alias]
+    if not writer.in_atomic_block:
+        return
+    # Read again when the change commits too: until then a read on another thread's
+    # connection would not see it. Watched until then, in case it is rolled back.
+    entry: tuple[Any, Callable[[], None]]
+
+    def committed() -> None:
+        _discard(entry)
+        invalidate()
+
+    entry = (writer, committed)
+    _pending.append(entry)
+    transaction.on_commit(committed, using=alias)
 
 
 def _as_datetime(micro: int) -> datetime:
@@ -444,6 +485,7 @@ def _after_fork_in_child() -> None:
     # The parent's lock may have been held by another thread at the fork; the child
     # keeps the snapshot but reads the stamp again before its first decision.
     _lock = threading.Lock()
+    _pending.clear()
     invalidate()
 
 
@@ -456,4 +498,5 @@ def _settings_changed(*, setting: str, **kwargs: Any) -> None:
     if setting == "TOKENBUCKET":
         _settings = True
         _snapshot = _EMPTY
+        _pending.clear()
         invalidate()

@@ -20,7 +20,7 @@ from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection, connections
+from django.db import connection, connections, transaction
 from django.test import RequestFactory, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -308,6 +308,25 @@ def test_until_takes_a_datetime_and_a_naive_one_is_in_the_current_timezone(api, 
     assert api.limit("login", "k").retry_after == 100
     api.block("login", "j", until=timezone.make_naive(ends + timedelta(seconds=20)))
     assert api.limit("login", "j").retry_after == 120
+
+
+class Rollback(Exception):
+    pass
+
+
+def test_a_change_inside_a_transaction_applies_at_once_and_not_after_its_rollback(api, clock):
+    with pytest.raises(Rollback), transaction.atomic():
+        limiter.block("login", "k")
+        assert api.limit("login", "k").override == "block"
+        raise Rollback
+    assert api.limit("login", "k").override is None
+    with transaction.atomic():
+        limiter.exempt("login", "k")
+        with pytest.raises(Rollback), transaction.atomic():  # a savepoint rolled back
+            limiter.block("login", "k")
+            raise Rollback
+        assert api.limit("login", "k").override == "exempt"
+    assert api.limit("login", "k").override == "exempt"
 
 
 # -- bad input ---------------------------------------------------------------------
