@@ -64,6 +64,7 @@ __all__ = [
     "DEFAULT_MAX_AGE",
     "EXEMPT",
     "LIMIT",
+    "NUMBERS",
     "Override",
     "Settings",
     "active",
