@@ -530,11 +530,13 @@ class Limiter:
         for what, text in (("reason", reason), ("created_by", created_by)):
             if not isinstance(text, str):
                 raise ValueError(f"rate limit {limit.name!r}: {what} must be a str, not {text!r}")
+        if len(created_by) > 150:
+            raise ValueError(f"rate limit {limit.name!r}: created_by must be at most 150 characters (a username)")
         digest, label = self._override_digest(limit.name, key)
         fields = {
             "expires_at": overrides.expiry(limit.name, until),
             "reason": reason,
-            "created_by": created_by[:150],
+            "created_by": created_by,
         }
         return overrides.save(
             limit.name, digest, label, action, dict.fromkeys(overrides.NUMBERS) | numbers, fields

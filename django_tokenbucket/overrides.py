@@ -325,13 +325,14 @@ def _read() -> None:
         stamp = version.objects.using(alias).filter(pk=1).values_list("stamp", flat=True).first() or 0
         if stamp == _snapshot.stamp:
             return
-        now = _as_datetime(clock.app_now())
-        rows = list(
-            overrides.objects.using(alias)
-            .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
-            .values_list("name", "key", "action", *NUMBERS, "expires_at")
-        )
-    _install(stamp, [_from_row(*row) for row in rows])
+        rows = overrides.objects.using(alias).all()
+        # Expired rows stay until someone deletes them; they need no place in memory. A
+        # pinned clock (tests) may be moved back, so there every row is kept and
+        # ``lookup`` alone tells which apply.
+        if clock.override() is None:
+            rows = rows.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))
+        found = list(rows.values_list("name", "key", "action", *NUMBERS, "expires_at"))
+    _install(stamp, [_from_row(*row) for row in found])
 
 
 def _from_row(

@@ -28,7 +28,7 @@ from prometheus_client import REGISTRY
 
 from django_tokenbucket import LimitRequest, deny_cache, limiter, overrides
 from django_tokenbucket.backends import get_backend
-from django_tokenbucket.keys import Redacted
+from django_tokenbucket.keys import Redacted, encode_key
 from django_tokenbucket.models import LimitOverride
 from django_tokenbucket.request_keys import request_key
 from django_tokenbucket.testing import frozen_clock
@@ -349,6 +349,7 @@ def test_a_change_inside_a_transaction_applies_at_once_and_not_after_its_rollbac
         (lambda: limiter.block("login", "k", until=60), ValueError, "datetime or a timedelta"),
         (lambda: limiter.exempt("login", 1.5), ValueError, "'login'"),
         (lambda: limiter.exempt("login", "k", reason=None), ValueError, "reason"),
+        (lambda: limiter.exempt("login", "k", created_by="x" * 151), ValueError, "created_by"),
         (lambda: limiter.exempt("login", "k", rate=5), TypeError, "rate"),
     ],
 )
@@ -522,6 +523,28 @@ def test_a_change_in_another_process_is_seen_within_max_age(backend, action):
             assert time.monotonic() - changed < max_age + 0.5, "not seen within MAX_AGE"
             time.sleep(0.02)
         assert async_to_sync(limiter.acheck)("login", "shared").override == expected
+
+
+def _report_override(conn):
+    conn.send(limiter.check("login", "k").override)
+    connections.close_all()
+
+
+def test_a_forked_child_reads_the_overrides_again(backend, clock):
+    assert limiter.check("login", "k").override is None  # this process has read them
+    # Written behind this process' back, as another process would.
+    LimitOverride.objects.create(name="login", key=encode_key("k").digest, action="block")
+    overrides._bump(overrides.database_alias())
+    assert limiter.check("login", "k").override is None, "MAX_AGE is not over here"
+    connections.close_all()
+    context = multiprocessing.get_context("fork")
+    parent, child = context.Pipe()
+    process = context.Process(target=_report_override, args=(child,))
+    process.start()
+    assert parent.poll(60)
+    assert parent.recv() == "block"
+    process.join(30)
+    assert process.exitcode == 0
 
 
 def test_an_override_in_force_admits_exactly_its_numbers_across_processes(backend):
