@@ -746,7 +746,6 @@ class Limiter:
         limit = self._resolve_one(name, reserve, config)
         if limit.shards > 1:
             return self._drive(self._one(name, key, count, reserve, limit, apply=apply, throws=throws))
-        overrides.refresh_if_due()
         return self._decide_unsharded(limit, key, count, reserve, apply=apply, throws=throws)
 
     def _decide_many(self, items: list[LimitRequest], *, apply: bool, throws: bool) -> MultiStatus:
@@ -756,7 +755,6 @@ class Limiter:
             (item,) = items
             limit = self._resolve_one(item.name, item.reserve, item.config)
             if limit.shards == 1:
-                overrides.refresh_if_due()
                 status = self._decide_unsharded(
                     limit, item.key, item.count, item.reserve, apply=apply, throws=throws
                 )
@@ -774,8 +772,14 @@ class Limiter:
         throws: bool,
         rule: Override | None = _LOOK_UP,
     ) -> Status:
-        """Decide one call on an unsharded limit (the caller refreshed the overrides)."""
-        request, rule = self._one_request(limit, key, count, reserve, rule)
+        """Decide one call on an unsharded limit, refreshing the overrides if due."""
+        encoded = self.encode_for(limit, key)
+        if rule is _LOOK_UP:
+            # Refreshed and looked up in one call: this is every request's path.
+            rule = overrides.current(limit.name, encoded.digest)
+            if rule is not None:
+                limit, rule = _ruled(limit, rule)
+        request = Request(limit, encoded, limit.validate_count(count, reserve), reserve)
         if rule is not None and rule.action != overrides.LIMIT:
             return self._one_status(limit, key, count, request.count, rule, apply=apply, throws=throws)
         limit = request.config

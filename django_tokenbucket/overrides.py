@@ -69,6 +69,7 @@ __all__ = [
     "Settings",
     "active",
     "arefresh_if_due",
+    "current",
     "database_alias",
     "delete",
     "derive",
@@ -235,14 +236,32 @@ def lookup(name: str, digest: str) -> Override | None:
     snapshot = _snapshot
     if name not in snapshot.names:
         return None
+    return _found(snapshot, name, digest)
+
+
+def _found(snapshot: _Snapshot, name: str, digest: str) -> Override | None:
+    keyed = snapshot.keyed.get((name, digest))
+    every_key = snapshot.every_key.get(name)
+    if keyed is None and every_key is None:
+        return None  # (other keys of this limit have one: no need for the clock)
     now = clock.app_now()
-    found = snapshot.keyed.get((name, digest))
-    if found is not None and found.in_force(now):
-        return found
-    found = snapshot.every_key.get(name)
-    if found is not None and found.in_force(now):
-        return found
+    if keyed is not None and keyed.in_force(now):
+        return keyed
+    if every_key is not None and every_key.in_force(now):
+        return every_key
     return None
+
+
+def current(name: str, digest: str) -> Override | None:
+    """``refresh_if_due()``, then ``lookup()``: for a blocking decision, in one call."""
+    if _pending:
+        _settle()
+    if time.monotonic() >= _due:
+        _refresh()
+    snapshot = _snapshot
+    if name not in snapshot.names:
+        return None
+    return _found(snapshot, name, digest)
 
 
 def refresh_if_due() -> None:
