@@ -6,24 +6,32 @@ import asyncio
 import logging
 import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar, Union
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
+from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
-from . import deny_cache, metrics, registry, signals
+from . import clock, deny_cache, metrics, overrides, registry, signals
 from .algorithms import MICRO, Decision
 from .backends import get_backend
 from .backends.base import BackendError, BaseBackend, Outcome, Request
 from .exceptions import BackendUnavailable, RateLimited
-from .keys import EncodedKey, encode_key
-from .limits import LimitConfig, count_to_micro, freeze, parse_limit
+from .keys import EncodedKey, Redacted, encode_key, is_request_data_key
+from .limits import LimitConfig, count_to_micro, freeze, parse_limit, to_micro
 from .logs import throttled_logger
-from .rates import to_fraction
+from .overrides import Override
+from .rates import parse_period, parse_rate, to_fraction
+from .request_keys import normalize_identity
 from .settings import tokenbucket_settings
 from .shards import key_buckets, pick_two, shard_configs, shard_key, split
 from .status import MultiStatus, Status
+
+if TYPE_CHECKING:
+    from .models import LimitOverride
 
 __all__ = ["LimitRequest", "Limiter", "limiter"]
 
@@ -79,6 +87,10 @@ T = TypeVar("T")
 #: failed and the call goes through), returns the result.
 Steps = Generator[_Step, Any, T]
 
+
+#: Passed as a decision's ``rule`` for "look the key's override up" (the default), as
+#: opposed to one the caller already applied (``acquire``) or None.
+_LOOK_UP = Override("", "", "")
 
 _inline_cache: dict[Any, LimitConfig] = {}
 _INLINE_CACHE_SIZE = 1024
@@ -306,8 +318,12 @@ class Limiter:
         would wait no longer; ``max_reserved`` bounds the wait too. A count that no wait
         within ``timeout`` could cover raises ValueError. A shadow limit never waits.
         """
-        limit = self._acquiring(name, count, timeout, config)
-        status = self._decide_one(name, key, count, True, limit, apply=True, throws=True)
+        overrides.refresh_if_due()
+        limit, rule = self._acquiring(name, key, count, timeout, config)
+        if limit.shards > 1:
+            status = self._drive(self._one(name, key, count, True, limit, apply=True, throws=True, rule=rule))
+        else:
+            status = self._decide_unsharded(limit, key, count, True, apply=True, throws=True, rule=rule)
         wait = _wait_for(limit, status)
         if wait:
             time.sleep(wait)
@@ -322,21 +338,28 @@ class Limiter:
         config: ConfigSpec | None = None,
     ) -> Status:
         """``acquire()`` for async code: it awaits, never blocking the event loop."""
-        limit = self._acquiring(name, count, timeout, config)
-        status = await self._adrive(self._one(name, key, count, True, limit, apply=True, throws=True))
+        await overrides.arefresh_if_due()
+        limit, rule = self._acquiring(name, key, count, timeout, config)
+        status = await self._adrive(self._one(name, key, count, True, limit, apply=True, throws=True, rule=rule))
         wait = _wait_for(limit, status)
         if wait:
             await asyncio.sleep(wait)
         return status
 
     def _acquiring(
-        self, name: str, count: int | float, timeout: float | None, config: ConfigSpec | None
-    ) -> LimitConfig:
-        """Return the limit to reserve from: its ``max_reserved`` lowered to what ``timeout`` repays."""
-        limit = self.resolve(name, config)
+        self, name: str, key: object, count: int | float, timeout: float | None, config: ConfigSpec | None
+    ) -> tuple[LimitConfig, Override | None]:
+        """Return the limit to reserve from, the key's override applied and its
+        ``max_reserved`` lowered to what ``timeout`` repays, and the override.
+
+        The override is applied here, before the bound: applied after it, an override's
+        own ``max_reserved`` would replace the bound.
+        """
+        base = self.resolve(name, config)
+        limit, rule = _ruled(base, overrides.lookup(base.name, self.encode_for(base, key).digest))
         limit.validate_count(count, True)
-        if timeout is None:
-            return limit
+        if timeout is None or (rule is not None and rule.action != overrides.LIMIT):
+            return limit, rule
         try:
             wait = to_fraction(timeout, "timeout")
         except ValueError as exc:
@@ -350,7 +373,192 @@ class Limiter:
                 f"rate limit {limit.name!r}: count {count!r} cannot be acquired within timeout {timeout!r}: "
                 f"even a full bucket ({limit.capacity_tokens:g}) would leave a wait longer than that"
             )
-        return bounded
+        return bounded, rule
+
+    # -- overrides -------------------------------------------------------------------
+    #
+    # Changes to a limit made while the site runs, stored as LimitOverride rows and seen
+    # by every process within OVERRIDES["MAX_AGE"] (this one at once): see
+    # django_tokenbucket.overrides. ``key`` None means every key of the limit.
+
+    def override(
+        self,
+        name: str,
+        key: object = None,
+        *,
+        rate: str | int | float | Fraction | None = None,
+        period: int | float | timedelta | None = None,
+        capacity: int | float | None = None,
+        max_reserved: int | float | None = None,
+        until: datetime | timedelta | None = None,
+        reason: str = "",
+        created_by: str = "",
+    ) -> LimitOverride:
+        """Replace some of limit ``name``'s numbers for ``key`` (None: every key) until ``until``.
+
+        ``rate`` is a rate string (``"100/m"``) or tokens per ``period`` (by default the
+        limit's); numbers not given keep the limit's, except a capacity equal to the
+        rate, which follows a new rate. The bucket's state is reinterpreted, as when
+        LIMITS changes. ``until`` is a datetime or a timedelta from now (None: until
+        cleared). Replaces any override of the same key; returns the LimitOverride.
+        ValueError names the limit when the numbers are not a limit that can admit a
+        call, ImproperlyConfigured when the limit is unknown.
+        """
+        limit = self.resolve(name)
+        numbers = _override_numbers(limit, rate, period, capacity, max_reserved)
+        return self._save_override(limit, key, overrides.LIMIT, numbers, until, reason, created_by)
+
+    def exempt(
+        self,
+        name: str,
+        key: object = None,
+        *,
+        until: datetime | timedelta | None = None,
+        reason: str = "",
+        created_by: str = "",
+    ) -> LimitOverride:
+        """Let every call of limit ``name`` for ``key`` (None: every key) through until ``until``.
+
+        An exempt call takes no tokens and its status says ``override="exempt"``.
+        """
+        limit = self.resolve(name)
+        return self._save_override(limit, key, overrides.EXEMPT, {}, until, reason, created_by)
+
+    def block(
+        self,
+        name: str,
+        key: object = None,
+        *,
+        until: datetime | timedelta | None = None,
+        reason: str = "",
+        created_by: str = "",
+    ) -> LimitOverride:
+        """Refuse every call of limit ``name`` for ``key`` (None: every key) until ``until``.
+
+        A blocked call takes no tokens; its ``retry_after`` is the time until the block
+        ends (None when it never does).
+        """
+        limit = self.resolve(name)
+        return self._save_override(limit, key, overrides.BLOCK, {}, until, reason, created_by)
+
+    def clear_override(self, name: str, key: object = None) -> int:
+        """Remove the override of limit ``name`` for ``key`` (None: the one of every key).
+
+        Returns how many were removed (0 or 1). The limit need not be configured any more.
+        """
+        if not isinstance(name, str):
+            raise ValueError(f"a rate limit name must be a str, not {name!r}")
+        return overrides.delete(name, self._override_digest(name, key)[0])
+
+    def overrides(self, name: str | None = None) -> list[LimitOverride]:
+        """Return the overrides in force (not expired), of limit ``name`` or of all, by limit and key."""
+        return overrides.in_force(name)
+
+    async def aoverride(
+        self,
+        name: str,
+        key: object = None,
+        *,
+        rate: str | int | float | Fraction | None = None,
+        period: int | float | timedelta | None = None,
+        capacity: int | float | None = None,
+        max_reserved: int | float | None = None,
+        until: datetime | timedelta | None = None,
+        reason: str = "",
+        created_by: str = "",
+    ) -> LimitOverride:
+        """``override()`` for async code."""
+        return await sync_to_async(self.override)(
+            name,
+            key,
+            rate=rate,
+            period=period,
+            capacity=capacity,
+            max_reserved=max_reserved,
+            until=until,
+            reason=reason,
+            created_by=created_by,
+        )
+
+    async def aexempt(
+        self,
+        name: str,
+        key: object = None,
+        *,
+        until: datetime | timedelta | None = None,
+        reason: str = "",
+        created_by: str = "",
+    ) -> LimitOverride:
+        """``exempt()`` for async code."""
+        return await sync_to_async(self.exempt)(name, key, until=until, reason=reason, created_by=created_by)
+
+    async def ablock(
+        self,
+        name: str,
+        key: object = None,
+        *,
+        until: datetime | timedelta | None = None,
+        reason: str = "",
+        created_by: str = "",
+    ) -> LimitOverride:
+        """``block()`` for async code."""
+        return await sync_to_async(self.block)(name, key, until=until, reason=reason, created_by=created_by)
+
+    async def aclear_override(self, name: str, key: object = None) -> int:
+        """``clear_override()`` for async code."""
+        return await sync_to_async(self.clear_override)(name, key)
+
+    async def aoverrides(self, name: str | None = None) -> list[LimitOverride]:
+        """``overrides()`` for async code."""
+        return await sync_to_async(self.overrides)(name)
+
+    def _save_override(
+        self,
+        limit: LimitConfig,
+        key: object,
+        action: str,
+        numbers: dict[str, int | None],
+        until: datetime | timedelta | None,
+        reason: str,
+        created_by: str,
+    ) -> LimitOverride:
+        if overrides.active() is None:
+            raise ImproperlyConfigured(
+                f"rate limit {limit.name!r}: overrides are off (TOKENBUCKET['OVERRIDES'] is False), so this one "
+                f"would never apply; set OVERRIDES to {{'MAX_AGE': {overrides.DEFAULT_MAX_AGE}}} to use them"
+            )
+        for what, text in (("reason", reason), ("created_by", created_by)):
+            if not isinstance(text, str):
+                raise ValueError(f"rate limit {limit.name!r}: {what} must be a str, not {text!r}")
+        if len(created_by) > 150:
+            raise ValueError(f"rate limit {limit.name!r}: created_by must be at most 150 characters (a username)")
+        digest, label = self._override_digest(limit.name, key)
+        fields = {
+            "expires_at": overrides.expiry(limit.name, until),
+            "reason": reason,
+            "created_by": created_by,
+        }
+        return overrides.save(
+            limit.name, digest, label, action, dict.fromkeys(overrides.NUMBERS) | numbers, fields
+        )
+
+    @staticmethod
+    def _override_digest(name: str, key: object) -> tuple[str, str]:
+        """Return the digest and label an override of ``key`` is stored under ("" for every key).
+
+        A key of request data (``("post:username", "Alice@Example.com ")``) is
+        normalised as the decorator normalises what a request sends, so that the
+        override reaches the bucket that request's decisions use.
+        """
+        if key is None:
+            return "", ""
+        if is_request_data_key(key) and isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], str):
+            key = (key[0], Redacted(normalize_identity(key[1])))
+        try:
+            encoded = encode_key(key)
+        except TypeError as exc:
+            raise ValueError(f"rate limit {name!r}: {exc}") from None
+        return encoded.digest, encoded.label
 
     # -- internals -------------------------------------------------------------------
 
@@ -372,12 +580,23 @@ class Limiter:
     def _state_now(self, name: str, key: object, config: ConfigSpec | None) -> Steps[Status]:
         limit = self.resolve(name, config)
         encoded = self.encode_for(limit, key)
+        # The bucket is read under the numbers in force; an exemption or a block says
+        # what a call would get, beside what the bucket holds.
+        limit, rule = _ruled(limit, overrides.lookup(limit.name, encoded.digest))
         if limit.shards > 1:
-            return (yield from self._shards_status(limit, encoded, key, 0))
-        # Reading has nothing to allow, so a failed store is an error even with FAIL_OPEN.
-        outcome = yield _Decide(limit, [Request(limit, encoded, 0)], apply=False, fail_open=False)
-        assert outcome is not None
-        return self._status(limit, key, 0, outcome.decisions[0], outcome.now)
+            status = yield from self._shards_status(limit, encoded, key, 0)
+        else:
+            # Reading has nothing to allow, so a failed store is an error even with FAIL_OPEN.
+            outcome = yield _Decide(limit, [Request(limit, encoded, 0)], apply=False, fail_open=False)
+            assert outcome is not None
+            status = self._status(limit, key, 0, outcome.decisions[0], outcome.now)
+        if rule is None:
+            return status
+        if rule.action == overrides.BLOCK:
+            shadow = limit.shadow
+            wait = rule.wait(clock.app_now())
+            return replace(status, ok=shadow, would_deny=shadow, retry_after=wait, override=rule.action)
+        return replace(status, override=rule.action)
 
     def _shards_status(self, limit: LimitConfig, encoded: EncodedKey, key: object, count: int) -> Steps[Status]:
         """Return a sharded limit's state from all of its shards: its value is their sum."""
@@ -410,6 +629,8 @@ class Limiter:
 
         Each shard gets at most its capacity back, as a refund to one bucket is capped.
         """
+        # Capped at the capacity in force.
+        limit, _rule = _ruled(limit, overrides.lookup(limit.name, encoded.digest))
         # As ``_reset`` does: tokens given back make a remembered denial wrong.
         deny_cache.forget(limit.name, encoded.digest)
         try:
@@ -471,31 +692,39 @@ class Limiter:
         *,
         apply: bool,
         throws: bool,
+        rule: Override | None = _LOOK_UP,
     ) -> Steps[Status]:
         """What ``_many`` does for one limit, without the lists and groups of several.
 
         One limit is one group (enforced or shadowed alike), applied as asked, and its
-        MultiStatus would say what its only Status says.
+        MultiStatus would say what its only Status says. ``rule`` is the key's override
+        when the caller applied it to ``config`` already (``acquire``).
         """
         limit = self._resolve_one(name, reserve, config)
         if limit.shards > 1:
-            item = LimitRequest(name, key, count, reserve, config)
-            statuses = yield from self._many([item], apply=apply, throws=throws)
+            item = LimitRequest(name, key, count, reserve, limit)
+            rules = None if rule is _LOOK_UP else [rule]
+            statuses = yield from self._many([item], apply=apply, throws=throws, rules=rules)
             return statuses[0]
-        request = self._one_request(limit, key, count, reserve)
+        request, rule = self._one_request(limit, key, count, reserve, rule)
+        if rule is not None and rule.action != overrides.LIMIT:
+            return self._one_status(limit, key, count, request.count, rule, apply=apply, throws=throws)
+        limit = request.config
         memory = _memory_for(limit, reserve)
         if memory is not None:
             store = self.backend(limit)
             recalled = deny_cache.lookup(limit, store, request.key.digest, request.count)
             if recalled is not None:
-                return self._one_status(limit, key, count, request.count, recalled, apply=apply, throws=throws)
+                return self._one_status(
+                    limit, key, count, request.count, recalled, apply=apply, throws=throws, rule=rule
+                )
             before = deny_cache.now()
         outcome = yield _Decide(limit, [request], apply=apply)
         if memory is not None and outcome is not None:
             deny_cache.remember(memory, limit, store, request.key.digest, request.count, outcome, before)
         elif outcome is not None and apply and outcome.decisions[0].allowed:
             deny_cache.admitted(limit.name, request.key.digest)
-        return self._one_status(limit, key, count, request.count, outcome, apply=apply, throws=throws)
+        return self._one_status(limit, key, count, request.count, outcome, apply=apply, throws=throws, rule=rule)
 
     def _decide_one(
         self,
@@ -516,7 +745,7 @@ class Limiter:
         """
         limit = self._resolve_one(name, reserve, config)
         if limit.shards > 1:
-            return self._drive(self._one(name, key, count, reserve, config, apply=apply, throws=throws))
+            return self._drive(self._one(name, key, count, reserve, limit, apply=apply, throws=throws))
         return self._decide_unsharded(limit, key, count, reserve, apply=apply, throws=throws)
 
     def _decide_many(self, items: list[LimitRequest], *, apply: bool, throws: bool) -> MultiStatus:
@@ -533,15 +762,35 @@ class Limiter:
         return self._drive(self._many(items, apply=apply, throws=throws))
 
     def _decide_unsharded(
-        self, limit: LimitConfig, key: object, count: int | float, reserve: bool, *, apply: bool, throws: bool
+        self,
+        limit: LimitConfig,
+        key: object,
+        count: int | float,
+        reserve: bool,
+        *,
+        apply: bool,
+        throws: bool,
+        rule: Override | None = _LOOK_UP,
     ) -> Status:
-        request = self._one_request(limit, key, count, reserve)
+        """Decide one call on an unsharded limit, refreshing the overrides if due."""
+        encoded = self.encode_for(limit, key)
+        if rule is _LOOK_UP:
+            # Refreshed and looked up in one call: this is every request's path.
+            rule = overrides.current(limit.name, encoded.digest)
+            if rule is not None:
+                limit, rule = _ruled(limit, rule)
+        request = Request(limit, encoded, limit.validate_count(count, reserve), reserve)
+        if rule is not None and rule.action != overrides.LIMIT:
+            return self._one_status(limit, key, count, request.count, rule, apply=apply, throws=throws)
+        limit = request.config
         store = self.backend(limit)
         memory = _memory_for(limit, reserve)
         if memory is not None:
             recalled = deny_cache.lookup(limit, store, request.key.digest, request.count)
             if recalled is not None:
-                return self._one_status(limit, key, count, request.count, recalled, apply=apply, throws=throws)
+                return self._one_status(
+                    limit, key, count, request.count, recalled, apply=apply, throws=throws, rule=rule
+                )
             before = deny_cache.now()
         recorder = metrics.active()
         started = time.perf_counter() if recorder is not None else 0.0
@@ -557,16 +806,31 @@ class Limiter:
             deny_cache.remember(memory, limit, store, request.key.digest, request.count, outcome, before)
         elif outcome is not None and apply and outcome.decisions[0].allowed:
             deny_cache.admitted(limit.name, request.key.digest)
-        return self._one_status(limit, key, count, request.count, outcome, apply=apply, throws=throws)
+        return self._one_status(limit, key, count, request.count, outcome, apply=apply, throws=throws, rule=rule)
 
     def _resolve_one(self, name: str, reserve: bool, config: ConfigSpec | LimitConfig | None) -> LimitConfig:
         if not isinstance(reserve, bool):
             raise ValueError(f"rate limit {name!r}: reserve must be a bool, not {reserve!r}")
         return self.resolve(name, config)
 
-    def _one_request(self, limit: LimitConfig, key: object, count: int | float, reserve: bool) -> Request:
-        micro = limit.validate_count(count, reserve)
-        return Request(limit, self.encode_for(limit, key), micro, reserve)
+    def _one_request(
+        self, limit: LimitConfig, key: object, count: int | float, reserve: bool, rule: Override | None
+    ) -> tuple[Request, Override | None]:
+        """Return the request of one call, on ``limit`` as the key's override changes it,
+        and that override (``rule``: one the caller applied already, or ``_LOOK_UP``).
+
+        The count is checked against the numbers in force: an override may raise the
+        capacity above a count the limit could never admit.
+        """
+        encoded = self.encode_for(limit, key)
+        if rule is _LOOK_UP:
+            found = overrides.lookup(limit.name, encoded.digest)
+            # The common case, no override of this limit, costs the lookup only.
+            if found is not None:
+                limit, rule = _ruled(limit, found)
+            else:
+                rule = None
+        return Request(limit, encoded, limit.validate_count(count, reserve), reserve), rule
 
     def _one_status(
         self,
@@ -574,42 +838,99 @@ class Limiter:
         key: object,
         count: int | float,
         micro: int,
-        outcome: Outcome | deny_cache.Recalled | None,
+        outcome: Outcome | deny_cache.Recalled | Override | None,
         *,
         apply: bool,
         throws: bool,
+        rule: Override | None = None,
     ) -> Status:
         """Return the Status of one limit's decision (None: failed open; a ``Recalled``
-        denial: from memory), reported and raised as asked."""
+        denial: from memory; an Override: an exemption or a block, the store unasked),
+        reported and raised as asked. ``rule`` is the ``limit`` override decided under."""
+        action = None if rule is None else rule.action
         if outcome is None:
             status = self._failed_open(limit, key, count)
+        elif isinstance(outcome, Override):
+            status = _overridden(limit, key, micro, outcome, clock.app_now())
         elif isinstance(outcome, deny_cache.Recalled):
-            status = self._status(limit, key, micro, outcome.decision, outcome.now, cached=True)
+            status = self._status(limit, key, micro, outcome.decision, outcome.now, cached=True, override=action)
         else:
-            status = self._status(limit, key, micro, outcome.decisions[0], outcome.now)
+            status = self._status(limit, key, micro, outcome.decisions[0], outcome.now, override=action)
         if apply:
             self._report_one(status, status.ok, limit)
         if throws and not status.ok:
             raise RateLimited(status.name, status.key, status.retry_after, status)
         return status
 
-    def _many(self, items: list[LimitRequest], *, apply: bool, throws: bool) -> Steps[MultiStatus]:
+    def _many(
+        self,
+        items: list[LimitRequest],
+        *,
+        apply: bool,
+        throws: bool,
+        rules: Sequence[Override | None] | None = None,
+    ) -> Steps[MultiStatus]:
+        """Decide ``items`` all-or-nothing (``rules``: their overrides, when the caller
+        applied them already)."""
         if not items:
             raise ValueError("no rate limits given")
         limits = []
         requests = []
-        for item in items:
+        ruled: list[Override | None] = []
+        for n, item in enumerate(items):
             if not isinstance(item.reserve, bool):
                 raise ValueError(f"rate limit {item.name!r}: reserve must be a bool, not {item.reserve!r}")
-            limit = self.resolve(item.name, item.config)
-            count = limit.validate_count(item.count, item.reserve)
-            limits.append(limit)
-            requests.append(Request(limit, self.encode_for(limit, item.key), count, item.reserve))
+            request, rule = self._one_request(
+                self.resolve(item.name, item.config),
+                item.key,
+                item.count,
+                item.reserve,
+                _LOOK_UP if rules is None else rules[n],
+            )
+            limits.append(request.config)
+            requests.append(request)
+            ruled.append(rule)
         if self._own_backend is None:
             one_backend(limits)
-        recalled = self._recall_many(limits, requests, items)
+        settled = [i for i, rule in enumerate(ruled) if rule is not None and rule.action != overrides.LIMIT]
+        if not settled:
+            statuses = yield from self._many_statuses(items, limits, requests, ruled, apply=apply)
+            return self._many_result(statuses, limits, apply=apply, throws=throws)
+        # Exempt limits take no part in the decision; a blocked one refuses the whole call,
+        # all-or-nothing, and the others are not asked (they took nothing).
+        now = clock.app_now()
+        result: list[Status | None] = [None] * len(items)
+        for i in settled:
+            result[i] = _overridden(limits[i], items[i].key, requests[i].count, ruled[i], now)  # type: ignore[arg-type]
+        rest = [i for i in range(len(items)) if result[i] is None]
+        if any(not status.ok for status in result if status is not None):
+            for i in rest:
+                result[i] = _undecided(limits[i], items[i].key, requests[i].count / MICRO)
+        elif rest:
+            decided = yield from self._many_statuses(
+                [items[i] for i in rest],
+                [limits[i] for i in rest],
+                [requests[i] for i in rest],
+                [ruled[i] for i in rest],
+                apply=apply,
+            )
+            for i, status in zip(rest, decided):
+                result[i] = status
+        return self._many_result(result, limits, apply=apply, throws=throws)
+
+    def _many_statuses(
+        self,
+        items: list[LimitRequest],
+        limits: list[LimitConfig],
+        requests: list[Request],
+        rules: list[Override | None],
+        *,
+        apply: bool,
+    ) -> Steps[list[Status | None]]:
+        """Decide ``requests`` on the store (or from memory), all-or-nothing; return their statuses."""
+        recalled = self._recall_many(limits, requests, items, rules)
         if recalled is not None:
-            return self._many_result(recalled, limits, apply=apply, throws=throws)
+            return recalled  # type: ignore[return-value]
 
         statuses: list[Status | None] = [None] * len(items)
         planned = yield from self._plan_shards(requests)
@@ -641,8 +962,10 @@ class Limiter:
                 decision = (
                     decisions[0] if limits[i].shards == 1 else _sharded_decision(limits[i], decisions, untouched[i])
                 )
-                statuses[i] = self._status(limits[i], items[i].key, requests[i].count, decision, outcome.now)
-        return self._many_result(statuses, limits, apply=apply, throws=throws)
+                statuses[i] = self._status(
+                    limits[i], items[i].key, requests[i].count, decision, outcome.now, override=_action(rules[i])
+                )
+        return statuses
 
     def _many_result(
         self, statuses: Sequence[Status | None], limits: Sequence[LimitConfig], *, apply: bool, throws: bool
@@ -656,7 +979,11 @@ class Limiter:
         return result
 
     def _recall_many(
-        self, limits: list[LimitConfig], requests: list[Request], items: list[LimitRequest]
+        self,
+        limits: list[LimitConfig],
+        requests: list[Request],
+        items: list[LimitRequest],
+        rules: list[Override | None],
     ) -> list[Status] | None:
         """Return the statuses of a call that memory knows one of its limits denies; None
         when none is known denied (the call goes to the store).
@@ -669,7 +996,7 @@ class Limiter:
             return None
         statuses: list[Status] = []
         denied = False
-        for limit, request, item in zip(limits, requests, items):
+        for limit, request, item, rule in zip(limits, requests, items, rules):
             recalled = None
             if deny_cache.cacheable(limit, request.reserve):
                 recalled = deny_cache.lookup(limit, self.backend(limit), request.key.digest, request.count)
@@ -678,7 +1005,9 @@ class Limiter:
             else:
                 denied = True
                 decision, now = recalled.decision, recalled.now
-                statuses.append(self._status(limit, item.key, request.count, decision, now, cached=True))
+                statuses.append(
+                    self._status(limit, item.key, request.count, decision, now, cached=True, override=_action(rule))
+                )
         return statuses if denied else None
 
     def _remember_many(
@@ -784,6 +1113,7 @@ class Limiter:
 
     def _drive(self, steps: Steps[T]) -> T:
         """Run a plan, answering its steps with the backends' blocking methods."""
+        overrides.refresh_if_due()
         try:
             step = next(steps)
             while True:
@@ -810,6 +1140,7 @@ class Limiter:
 
     async def _adrive(self, steps: Steps[T]) -> T:
         """Run a plan, answering its steps with the backends' asyncio methods."""
+        await overrides.arefresh_if_due()
         try:
             step = next(steps)
             while True:
@@ -890,7 +1221,13 @@ class Limiter:
 
     @staticmethod
     def _status(
-        limit: LimitConfig, key: object, count: int, decision: Decision, now: int, cached: bool = False
+        limit: LimitConfig,
+        key: object,
+        count: int,
+        decision: Decision,
+        now: int,
+        cached: bool = False,
+        override: str | None = None,
     ) -> Status:
         shadow = limit.shadow
         return Status._decided(
@@ -908,6 +1245,7 @@ class Limiter:
             shadow=shadow,
             would_deny=shadow and not decision.allowed,
             cached=cached,
+            override=override,
         )
 
     @staticmethod
@@ -922,11 +1260,116 @@ def _outcome(status: Status, all_ok: bool) -> str | None:
         return metrics.FAILED_OPEN
     if status.cached:
         return metrics.DENIED_CACHED
+    if status.override == overrides.EXEMPT:
+        return metrics.EXEMPT
+    if status.override == overrides.BLOCK and not status.shadow:
+        return metrics.BLOCKED
     if status.would_deny:
         return metrics.SHADOW_DENIED
     if not status.ok:
         return metrics.DENIED
     return metrics.ALLOWED if all_ok else None
+
+
+def _ruled(limit: LimitConfig, rule: Override | None) -> tuple[LimitConfig, Override | None]:
+    """Return ``limit`` as the override ``rule`` changes it (a ``limit`` override), and the rule.
+
+    A stored override whose numbers no longer fit the limit (its shards changed in
+    LIMITS since) is ignored, with a warning, rather than fail every call.
+    """
+    if rule is None or rule.action != overrides.LIMIT:
+        return limit, rule
+    try:
+        return rule.config(limit), rule
+    except ImproperlyConfigured as exc:
+        throttled_logger.warning(
+            limit.name, "rate limit %r: an override no longer fits it, ignored: %s", limit.name, exc
+        )
+        return limit, None
+
+
+def _action(rule: Override | None) -> str | None:
+    return None if rule is None else rule.action
+
+
+def _overridden(limit: LimitConfig, key: object, micro: int, rule: Override, now: int) -> Status:
+    """The Status of a call an exemption let through or a block refused, the store unasked.
+
+    A block on a shadow limit refuses nothing, as the limit itself would not.
+    """
+    blocked = rule.action == overrides.BLOCK
+    return Status(
+        ok=not blocked or limit.shadow,
+        name=limit.name,
+        key=key,
+        count=micro / MICRO,
+        value=None,
+        retry_after=rule.wait(now) if blocked else None,
+        reset_after=None,
+        capacity=limit.capacity_tokens,
+        rate=limit.rate_tokens,
+        period=limit.period_seconds,
+        timestamp=now / MICRO,
+        shadow=limit.shadow,
+        would_deny=blocked and limit.shadow,
+        override=rule.action,
+    )
+
+
+def _override_numbers(
+    limit: LimitConfig,
+    rate: str | int | float | Fraction | None,
+    period: int | float | timedelta | None,
+    capacity: int | float | None,
+    max_reserved: int | float | None,
+) -> dict[str, int | None]:
+    """Return the numbers of a ``limit`` override in micro-units, as given; ValueError naming the limit.
+
+    Only the numbers given are stored, so that the others follow LIMITS if it changes.
+    """
+    numbers: dict[str, int | None] = {}
+    try:
+        if rate is None and period is None and capacity is None and max_reserved is None:
+            raise ValueError(
+                "give at least one of rate, period, capacity and max_reserved (or use exempt() or block())"
+            )
+        seconds = None
+        if isinstance(rate, str):
+            if period is not None:
+                raise ValueError(f"give the period either in the rate string {rate!r} or as period, not both")
+            tokens, seconds = parse_rate(rate)
+        elif rate is not None:
+            tokens = to_fraction(rate, "rate")
+        if rate is not None:
+            if tokens <= 0:
+                raise ValueError(f"rate must be positive, not {rate!r}")
+            numbers["rate"] = to_micro(tokens, "rate", rate)
+        if period is not None:
+            seconds = parse_period(period)
+        if seconds is not None:
+            micro = seconds * MICRO
+            if micro.denominator != 1:
+                raise ValueError(f"period must be a whole number of microseconds, not {float(seconds)!r} seconds")
+            numbers["period"] = int(micro)
+        for what, amount in (("capacity", capacity), ("max_reserved", max_reserved)):
+            if amount is None:
+                continue
+            tokens = to_fraction(amount, what)
+            if tokens < 0 or (tokens == 0 and what == "capacity"):
+                raise ValueError(f"{what} must be {'positive' if what == 'capacity' else 'at least 0'}, not {amount!r}")
+            numbers[what] = to_micro(tokens, what, amount)
+    except ValueError as exc:
+        raise ValueError(f"rate limit {limit.name!r}: override: {exc}") from None
+    try:
+        derived = overrides.derive(limit, **dict.fromkeys(overrides.NUMBERS) | numbers)
+    except ImproperlyConfigured as exc:
+        raise ValueError(f"{exc} (in an override)") from None
+    if derived.max_plain_count < MICRO and (derived.max_count or 0) < MICRO:
+        raise ValueError(
+            f"rate limit {limit.name!r}: this override could never admit a call of one token "
+            f"(capacity {derived.capacity_tokens:g}); give a capacity of at least 1, or block() the key"
+        )
+    return numbers
 
 
 def _memory_for(limit: LimitConfig, reserve: bool) -> deny_cache.Settings | None:

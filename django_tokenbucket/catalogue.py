@@ -128,6 +128,12 @@ E051 = Check(
     "For example TOKENBUCKET['DENY_CACHE'] = {{'MAX_AGE': 1.0, 'MAX_KEYS': 100_000}}, or False to turn "
     "the deny cache off (docs/settings.md#deny_cache).",
 )
+E052 = Check(
+    "E052",
+    "{error}.",
+    "For example TOKENBUCKET['OVERRIDES'] = {{'MAX_AGE': 5.0}}, or False to turn runtime overrides off "
+    "(docs/settings.md#overrides).",
+)
 W002 = Check("W002", "TOKENBUCKET has unknown setting(s): {names}.", "Known settings: {known}.")
 W003 = Check(
     "W003",

@@ -11,7 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.urls import get_resolver
 from django.utils.module_loading import import_string
 
-from . import catalogue, deny_cache
+from . import catalogue, deny_cache, overrides
 from .backends import backend_class
 from .decorators import declared_limits, declared_stacks
 from .ip import ip_settings_problems
@@ -80,7 +80,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
 
 
 def _check_operations(user: dict[str, Any]) -> list[checks.CheckMessage]:
-    """Check RESPONSE, LOG_INTERVAL and METRICS, which are otherwise read only when needed.
+    """Check RESPONSE, LOG_INTERVAL, METRICS, DENY_CACHE and OVERRIDES, which are otherwise read only when needed.
 
     A bad RESPONSE would fail at the first 429, a bad METRICS at the first decision; a
     bad LOG_INTERVAL would quietly become the default. (``CELERY`` is the Celery integration's: ``celery.checks``.)
@@ -107,6 +107,10 @@ def _check_operations(user: dict[str, Any]) -> list[checks.CheckMessage]:
         deny_cache.parse(user.get("DENY_CACHE", DEFAULTS["DENY_CACHE"]))
     except ValueError as exc:
         errors.append(catalogue.E051(error=exc))
+    try:
+        overrides.parse(user.get("OVERRIDES", DEFAULTS["OVERRIDES"]))
+    except ValueError as exc:
+        errors.append(catalogue.E052(error=exc))
     return errors
 
 

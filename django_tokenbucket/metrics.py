@@ -64,13 +64,16 @@ DENIED_CACHED = "denied_cached"
 SHADOW_DENIED = "shadow_denied"
 FAILED_OPEN = "failed_open"
 FAILED_CLOSED = "failed_closed"
+EXEMPT = "exempt"
+BLOCKED = "blocked"
 #: Every ``outcome`` of a decision that was applied: allowed (every limit of the call
 #: let it through), denied (this limit refused it), shadow_denied (a shadow limit would
 #: have), failed_open and failed_closed (the store failed, and ``FAIL_OPEN`` said so),
 #: denied_cached (this limit refused it from this process' memory, the store unasked:
-#: ``django_tokenbucket.deny_cache``). A limit of an all-or-nothing call that another
-#: limit refused took nothing and is not counted.
-OUTCOMES = (ALLOWED, DENIED, DENIED_CACHED, SHADOW_DENIED, FAILED_OPEN, FAILED_CLOSED)
+#: ``django_tokenbucket.deny_cache``), exempt and blocked (a runtime override let it
+#: through or refused it, the store unasked: ``django_tokenbucket.overrides``). A limit
+#: of an all-or-nothing call that another limit refused took nothing and is not counted.
+OUTCOMES = (ALLOWED, DENIED, DENIED_CACHED, SHADOW_DENIED, FAILED_OPEN, FAILED_CLOSED, EXEMPT, BLOCKED)
 #: Every ``event`` of a scheduled reservation (``django_tokenbucket.celery``): made
 #: (counted when its transaction commits), its work started, tokens given back (by
 #: ``refund()`` or ``refund_on_failure``), cancelled before it ran, given up by the sweeper.

@@ -14,7 +14,7 @@ from .algorithms import MICRO
 from .keys import LABEL_LENGTH, label_as_typed
 from .limits import MAX_NAME_LENGTH
 
-__all__ = ["RateLimit", "Reservation"]
+__all__ = ["LimitOverride", "OverridesVersion", "RateLimit", "Reservation"]
 
 
 class RateLimit(models.Model):
@@ -135,6 +135,76 @@ class Reservation(models.Model):
     def refund(self, count: int | float) -> bool:
         """Give back unused tokens once the work has started; see ``reservations.refund``."""
         return bool(_reservations().refund(self, count))
+
+
+class LimitOverride(models.Model):
+    """A change to one limit made while the site runs: for one key, or every key of the limit.
+
+    ``key`` is the key's digest, as ``RateLimit.key`` holds it (empty: every key), so an
+    override reaches exactly the bucket its key's decisions use. ``action`` says what
+    applies: ``limit`` replaces the numbers that are not null (micro-tokens and
+    microseconds, as ``LimitConfig`` holds them), ``exempt`` lets every call through
+    and counts nothing, ``block`` refuses every call until ``expires_at`` (never, when
+    null). Written through ``limiter.override``/``exempt``/``block`` (and the admin and
+    the command), which bump ``OverridesVersion`` in the same transaction; read by
+    ``django_tokenbucket.overrides``.
+    """
+
+    class Action(models.TextChoices):
+        LIMIT = "limit", _("limit")
+        EXEMPT = "exempt", _("exempt")
+        BLOCK = "block", _("block")
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.CharField(_("limit name"), max_length=MAX_NAME_LENGTH)
+    key = models.CharField(_("key digest"), max_length=64, blank=True, default="")
+    label = models.CharField(_("key"), max_length=LABEL_LENGTH, blank=True, default="")
+    action = models.CharField(_("action"), max_length=8, choices=Action.choices)
+    rate = models.BigIntegerField(_("rate (micro-tokens)"), null=True, blank=True)
+    period = models.BigIntegerField(_("period (µs)"), null=True, blank=True)
+    capacity = models.BigIntegerField(_("capacity (micro-tokens)"), null=True, blank=True)
+    max_reserved = models.BigIntegerField(_("max reserved (micro-tokens)"), null=True, blank=True)
+    expires_at = models.DateTimeField(_("expires"), null=True, blank=True)
+    reason = models.TextField(_("reason"), blank=True, default="")
+    created_by = models.CharField(_("created by"), max_length=150, blank=True, default="")
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
+    updated_at = models.DateTimeField(_("updated"), auto_now=True)
+
+    class Meta:
+        verbose_name = _("limit override")
+        verbose_name_plural = _("limit overrides")
+        constraints = [
+            models.UniqueConstraint(fields=["name", "key"], name="django_tokenbucket_override_name_key"),
+        ]
+
+    def __str__(self) -> str:
+        whom = label_as_typed(self.label) or self.key[:12] or _("every key")
+        return f"{self.action} {self.name} [{whom}]"
+
+    @property
+    def every_key(self) -> bool:
+        """Whether this override applies to every key of its limit."""
+        return not self.key
+
+
+class OverridesVersion(models.Model):
+    """One row whose ``stamp`` changes with every change of LimitOverride.
+
+    Each process reads it at most once per ``OVERRIDES["MAX_AGE"]`` and reads the
+    overrides themselves only when it changed. A random stamp rather than a counter:
+    a table emptied and written again (a test database flushed) cannot come back to a
+    stamp a process already holds for other rows.
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    stamp = models.BigIntegerField(_("stamp"))
+
+    class Meta:
+        verbose_name = _("overrides version")
+        verbose_name_plural = _("overrides versions")
+
+    def __str__(self) -> str:
+        return f"overrides version {self.stamp}"
 
 
 def _reservations() -> ModuleType:

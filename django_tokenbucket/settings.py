@@ -54,6 +54,10 @@ DEFAULTS: dict[str, Any] = {
     # Keys known to be denied are answered from this process' memory for at most
     # MAX_AGE seconds (see django_tokenbucket.deny_cache); False turns it off.
     "DENY_CACHE": {"MAX_AGE": 1.0, "MAX_KEYS": 100_000},
+    # Overrides made while the site runs (limiter.override, exempt, block) are seen by
+    # every process within MAX_AGE seconds (see django_tokenbucket.overrides); False
+    # turns them off, and with them the query each process makes per MAX_AGE.
+    "OVERRIDES": {"MAX_AGE": 5.0},
 }
 
 

@@ -59,6 +59,9 @@ class Status:
     #: True when this denial came from this process' memory of the key's last denial
     #: (``django_tokenbucket.deny_cache``), the store unasked; never on an allowed call.
     cached: bool = False
+    #: The runtime override that applied (``limiter.override``, ``exempt``, ``block``):
+    #: ``"limit"``, ``"exempt"``, ``"block"``, or None when the limit applied as configured.
+    override: str | None = None
 
     @classmethod
     def _decided(
@@ -77,11 +80,12 @@ class Status:
         shadow: bool,
         would_deny: bool,
         cached: bool = False,
+        override: str | None = None,
     ) -> Status:
         """Return the Status of a decision, as ``Status(...)`` would make it, only faster.
 
         Every decision makes one, and the __init__ of a frozen dataclass sets each of the
-        15 fields through ``object.__setattr__``: filling ``__dict__`` at once costs a
+        16 fields through ``object.__setattr__``: filling ``__dict__`` at once costs a
         third as much. tests/test_fast_path.py keeps the two equal.
         """
         status = object.__new__(cls)
@@ -101,6 +105,7 @@ class Status:
             shadow=shadow,
             would_deny=would_deny,
             cached=cached,
+            override=override,
         )
         return status
 
