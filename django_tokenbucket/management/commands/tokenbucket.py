@@ -1,4 +1,5 @@
-"""``manage.py tokenbucket list|show|reset|cleanup``: inspect and maintain rate limits.
+"""``manage.py tokenbucket list|show|reset|cleanup``: inspect and maintain rate limits;
+``override|exempt|block|unblock|overrides``: runtime overrides (``management/overrides.py``).
 
 Keys on the command line are strings: ``tokenbucket show login alice`` is the bucket of
 ``limiter.limit("login", key="alice")``; an int or a UUID key is the bucket of its text
@@ -39,6 +40,7 @@ from ...backends.base import BackendError, BaseBackend, CleanupReport, StoredBuc
 from ...cleanup import MAX_BATCH_SIZE, cleanup, database_alias
 from ...keys import as_typed, encode_key
 from ...limits import LimitConfig
+from ..overrides import SUBCOMMANDS, OverrideCommands, add_override_parsers
 from ...live import FULL, LIMITED, PARTIAL, LiveState, live_state
 from ...registry import KnownLimit, known_limits
 from ...request_keys import key_from_text
@@ -59,15 +61,13 @@ def _from_json(value: Any) -> Any:
     return value
 
 
-class Command(BaseCommand):
-    help = "List, inspect, reset and clean up rate limits (see docs/operations.md)."
+class Command(OverrideCommands, BaseCommand):
+    help = "List, inspect, reset and clean up rate limits, and override them (see docs/operations.md)."
 
     def add_arguments(self, parser: ArgumentParser) -> None:
-        # Accepted after the subcommand, where people type it.
-        common = ArgumentParser(add_help=False)
-        common.add_argument("--database", help="Database alias of the RateLimit table (default: the backend's).")
         # Django's own options, accepted after the subcommand too ("tokenbucket list
         # --settings X"); SUPPRESS keeps the values given before it.
+        django_options = ArgumentParser(add_help=False)
         for flags, kwargs in (
             (("--settings",), {}),
             (("--pythonpath",), {}),
@@ -76,8 +76,12 @@ class Command(BaseCommand):
             (("--no-color",), {"action": "store_true"}),
             (("--force-color",), {"action": "store_true"}),
         ):
-            common.add_argument(*flags, default=SUPPRESS, help=SUPPRESS, **kwargs)
-        sub = parser.add_subparsers(dest="subcommand", required=True, metavar="{list,show,reset,cleanup}")
+            django_options.add_argument(*flags, default=SUPPRESS, help=SUPPRESS, **kwargs)
+        # Accepted after the subcommand, where people type it.
+        common = ArgumentParser(add_help=False, parents=[django_options])
+        common.add_argument("--database", help="Database alias of the RateLimit table (default: the backend's).")
+        names = ",".join(("list", "show", "reset", "cleanup", *SUBCOMMANDS))
+        sub = parser.add_subparsers(dest="subcommand", required=True, metavar=f"{{{names}}}")
 
         listing = sub.add_parser(
             "list", parents=[common], help="Limits with their config, and how many keys each has stored."
@@ -137,6 +141,8 @@ class Command(BaseCommand):
         )
         clean.add_argument("--name", action="append", dest="names", help="Only this limit (repeatable).")
         clean.add_argument("--json", action="store_true", dest="as_json", help="Print the report as JSON.")
+        # Overrides live in the overrides' database, whatever backend decides: no --database.
+        add_override_parsers(sub, django_options)
 
     def handle(self, *args: Any, **options: Any) -> None:
         database = options.get("database")
