@@ -42,6 +42,7 @@ __all__ = [
     "describe_expiry",
     "describe_numbers",
     "expire",
+    "factor_of",
     "key_digest",
     "key_from_spec",
     "multiplied",
@@ -245,6 +246,17 @@ def numbers_from_text(
         raise ValueError(f"rate limit {limit.name!r}: give a rate, a capacity or a max_reserved (or exempt or block)")
     _check(limit, numbers)
     return numbers
+
+
+def factor_of(text: str) -> Fraction:
+    """Return the N of "give ×N" as typed in a form; ValueError when it is not a number above 0."""
+    try:
+        factor = Fraction(Decimal(text.strip()))
+    except (ArithmeticError, ValueError):
+        raise ValueError(f"×{text.strip()!r}: not a number") from None
+    if not 0 < factor <= 1_000_000:
+        raise ValueError(f"×{text.strip()}: the factor must be above 0 and at most 1,000,000")
+    return factor
 
 
 def multiplied(limit: LimitConfig, factor: Fraction) -> dict[str, int | None]:

@@ -70,7 +70,9 @@ def add_override_parsers(sub: _SubParsersAction[ArgumentParser], parent: Argumen
         command = sub.add_parser(name, parents=[parent], help=text, description=text)
         _add_key_forms(command)
         if name == "override":
-            command.add_argument("--rate", help="A rate string, e.g. 100/m or 5000/d (its period replaces the limit's).")
+            command.add_argument(
+                "--rate", help="A rate string, e.g. 100/m or 5000/d (its period replaces the limit's)."
+            )
             command.add_argument("--capacity", type=float, help="The burst: tokens a full bucket holds.")
             command.add_argument("--max-reserved", type=float, help="Tokens that may be reserved ahead.")
         until = command.add_mutually_exclusive_group()

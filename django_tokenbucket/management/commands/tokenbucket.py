@@ -40,11 +40,11 @@ from ...backends.base import BackendError, BaseBackend, CleanupReport, StoredBuc
 from ...cleanup import MAX_BATCH_SIZE, cleanup, database_alias
 from ...keys import as_typed, encode_key
 from ...limits import LimitConfig
-from ..overrides import SUBCOMMANDS, OverrideCommands, add_override_parsers
 from ...live import FULL, LIMITED, PARTIAL, LiveState, live_state
 from ...registry import KnownLimit, known_limits
 from ...request_keys import key_from_text
 from ...text import describe_rate, format_duration, format_tokens
+from ..overrides import SUBCOMMANDS, OverrideCommands, add_override_parsers
 
 _JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"
 _REQUEST_KEY_HINT = "e.g. --key post:username=alice, --key ip=203.0.113.7, --key user=42"
