@@ -77,7 +77,7 @@ class BucketOverrides(BucketAdminViews):
                         "in_force": row is found.in_force,
                     }
                 )
-        cannot = None
+        cannot: Any = None
         if whole is None:
             cannot = _("This limit is not configured: it cannot be overridden.")
         elif whole.config.shards > 1:

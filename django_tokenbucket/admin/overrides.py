@@ -56,7 +56,13 @@ from .display import _DIGEST
 
 __all__ = ["LimitOverrideAdmin", "OverrideAddForm", "OverrideChangeForm"]
 
-_TOKENS = {"min_value": Decimal(0), "decimal_places": 6, "max_digits": 24, "required": False}
+
+
+def _tokens(label: Any, help_text: Any) -> forms.DecimalField:
+    """An amount of tokens, to the micro-token; empty: the limit's own."""
+    return forms.DecimalField(
+        label=label, help_text=help_text, min_value=Decimal(0), decimal_places=6, max_digits=24, required=False
+    )
 
 
 class _NoModelValidation(forms.ModelForm):  # type: ignore[type-arg]
@@ -101,8 +107,8 @@ class OverrideAddForm(_NoModelValidation):
     rate = forms.CharField(
         label=_("rate"), required=False, help_text=_("Action “limit”: a rate string, e.g. 100/m (empty: the limit's).")
     )
-    capacity = forms.DecimalField(label=_("capacity"), help_text=_("Action “limit”: the burst."), **_TOKENS)
-    max_reserved = forms.DecimalField(label=_("max reserved"), help_text=_("Action “limit”."), **_TOKENS)
+    capacity = _tokens(_("capacity"), _("Action “limit”: the burst."))
+    max_reserved = _tokens(_("max reserved"), _("Action “limit”."))
     duration = forms.CharField(
         label=_("for"), required=False, help_text=_("%(hint)s; empty: until the expiry below, or never.") % {
             "hint": DURATION_HINT
@@ -135,7 +141,8 @@ class OverrideAddForm(_NoModelValidation):
             self.add_error("key_text", str(exc))
             return data
         until = self._expiry(data)
-        numbers = {number: data.get(number) or None for number in ("rate", "capacity", "max_reserved")}
+        # 0 is a number (max_reserved 0: no reservations); only an empty field is "the limit's".
+        numbers = {n: None if data.get(n) in (None, "") else data[n] for n in ("rate", "capacity", "max_reserved")}
         if action != overrides.LIMIT and any(value is not None for value in numbers.values()):
             self.add_error("action", _("Rate, capacity and max reserved apply to the action “limit” only."))
         if self.errors:
@@ -151,7 +158,14 @@ class OverrideAddForm(_NoModelValidation):
                 return data
             common = {"until": until, "reason": data["reason"], "created_by": self.created_by}
             if action == overrides.LIMIT:
-                self.instance = limiter.override(name, key, **numbers, **common)
+                self.instance = limiter.override(
+                    name,
+                    key,
+                    rate=numbers["rate"],
+                    capacity=numbers["capacity"],
+                    max_reserved=numbers["max_reserved"],
+                    **common,
+                )
             elif action == overrides.EXEMPT:
                 self.instance = limiter.exempt(name, key, **common)
             else:
@@ -175,8 +189,8 @@ class OverrideChangeForm(_NoModelValidation):
         required=False,
         help_text=_("A rate string, e.g. 100/m (its period replaces the limit's); empty: the limit's."),
     )
-    capacity = forms.DecimalField(label=_("capacity"), help_text=_("Empty: the limit's."), **_TOKENS)
-    max_reserved = forms.DecimalField(label=_("max reserved"), help_text=_("Empty: the limit's."), **_TOKENS)
+    capacity = _tokens(_("capacity"), _("Empty: the limit's."))
+    max_reserved = _tokens(_("max reserved"), _("Empty: the limit's."))
     duration = forms.CharField(
         label=_("for"), required=False, help_text=_("From now: %(hint)s.") % {"hint": DURATION_HINT}
     )
@@ -247,11 +261,11 @@ class OverrideChangeForm(_NoModelValidation):
 
 def _limit_of(row: LimitOverride) -> LimitConfig | None:
     """The config of ``row``'s limit (None: not configured), as the list read it for its page."""
-    limit = getattr(row, "_tokenbucket_limit", False)
-    if limit is False:
-        known = known_limits(as_rows=False).get(row.name)
-        limit = known.config if known is not None else None
-    return limit  # type: ignore[no-any-return]
+    if hasattr(row, "_tokenbucket_limit"):
+        read: LimitConfig | None = row._tokenbucket_limit
+        return read
+    known = known_limits(as_rows=False).get(row.name)
+    return known.config if known is not None else None
 
 
 class OverrideChangeList(ChangeList):
