@@ -248,7 +248,7 @@ def test_a_rows_page_blocks_its_key_with_the_add_permission(clock):
     assert "Block this key" not in row_page(viewer, row)
     form = {"name": "login", "digest": row.key, "action": "block", "for": "1h", "reason": "stuffing"}
     assert viewer.post(f"{BUCKETS}override/", form).status_code == 403
-    operator = make_user("operator", "view_ratelimit", "add_limitoverride")
+    operator = make_user("operator", "view_ratelimit", "add_limitoverride", "view_limitoverride")
     client = client_for(operator)
     page = row_page(client, row)
     assert "No override: the limit's own numbers apply" in page

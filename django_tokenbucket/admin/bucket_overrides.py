@@ -64,6 +64,9 @@ class BucketOverrides(BucketAdminViews):
         whole = known_limits(as_rows=False).get(name)
         found = panel(name, digest)
         shown = []
+        may_see = any(
+            request.user.has_perm(f"django_tokenbucket.{action}_limitoverride") for action in ("view", "change")
+        )
         for row, scope in ((found.own, _("this key")), (found.every_key, _("every key of this limit"))):
             if row is not None:
                 config = whole.config if whole is not None else None
@@ -73,7 +76,7 @@ class BucketOverrides(BucketAdminViews):
                         "row": row,
                         "numbers": describe_numbers(row, config),
                         "expires": describe_expiry(row),
-                        "url": self._override_url(row),
+                        "url": self._override_url(row) if may_see else None,
                         "in_force": row is found.in_force,
                     }
                 )
