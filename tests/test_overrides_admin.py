@@ -4,6 +4,7 @@ give ×N actions of every bucket page (a database row's, and each backend's: Red
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 import pytest
 from django.contrib.admin.models import ADDITION, CHANGE, DELETION, LogEntry
@@ -87,7 +88,7 @@ def test_permissions_of_the_override_pages(clock):
 def test_the_list_says_what_each_override_does(clock):
     limiter.override("burst", rate="40/m", reason="launch", created_by="ops")
     limiter.block("login", ("post:username", "Eve@Example.com"), created_by="sec")
-    limiter.exempt("login", "partner", until=__import__("datetime").timedelta(seconds=30))
+    limiter.exempt("login", "partner", until=timedelta(seconds=30))
     LimitOverride.objects.create(name="login", key="ab" * 32, action="exempt")
     content = client_for(make_user("root", superuser=True)).get(ADMIN).content.decode()
     assert "every key" in content and "40 per minute, capacity 20" in content and "launch" in content
@@ -140,6 +141,38 @@ def test_add_goes_through_the_limiter_with_the_key_normalised(clock):
     assert response.status_code == 302, errors(response)
     status = limiter.limit("login", "anyone")
     assert status.override == "limit" and status.capacity == 150 and status.rate == 100
+
+
+def test_an_override_added_in_the_admin_meets_a_login_posted_in_another_case(clock):
+    client = client_for(make_user("root", superuser=True))
+    response = client.post(f"{ADMIN}add/", add_form(key_text="post:username=ALICE@example.com ", reason="stuffing"))
+    assert response.status_code == 302, errors(response)
+    assert Client().post("/login/", {"username": " alice@EXAMPLE.com"}).status_code == 429
+    assert Client().post("/login/", {"username": "bob@example.com"}).status_code == 200
+
+
+def test_add_takes_a_max_reserved_of_zero_and_a_limit_wide_exemption(clock):
+    client = client_for(make_user("root", superuser=True))
+    response = client.post(f"{ADMIN}add/", add_form(name="reservable", action="limit", max_reserved="0"))
+    assert response.status_code == 302, errors(response)
+    assert LimitOverride.objects.get().max_reserved == 0
+    assert limiter.limit("reservable", "k", count=10).ok
+    assert not limiter.limit("reservable", "k", reserve=True).ok  # no debt allowed any more
+    response = client.post(f"{ADMIN}add/", add_form(name="burst", action="exempt", key_text=""))
+    assert response.status_code == 302, errors(response)
+    assert limiter.limit("burst", "anyone").override == "exempt"
+
+
+def test_a_block_keeps_its_action_and_changes_its_reason(clock):
+    row = limiter.block("login", "eve", until=timedelta(hours=1))
+    client = client_for(make_user("root", superuser=True))
+    page = client.get(f"{ADMIN}{row.pk}/change/").content.decode()
+    assert 'name="rate"' not in page and 'name="capacity"' not in page and 'name="reason"' in page
+    expires = dict(re.findall(r'name="(expires_at_[01])" value="([^"]*)"', page))
+    response = client.post(f"{ADMIN}{row.pk}/change/", {"duration": "", **expires, "reason": "confirmed"})
+    assert response.status_code == 302, errors(response)
+    row.refresh_from_db()
+    assert (row.action, row.reason, row.expires_at.timestamp()) == ("block", "confirmed", T0 + 3600)
 
 
 @pytest.mark.parametrize(
