@@ -24,6 +24,7 @@ ADMIN = "/admin/django_tokenbucket/limitoverride/"
 CHANGELIST = "/admin/django_tokenbucket/ratelimit/"
 BUCKETS = f"{CHANGELIST}buckets/default/"
 ALICE = ("post:username", "alice@example.com")
+XSS = "<script>alert(1)</script>"
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +91,9 @@ def test_the_list_says_what_each_override_does(clock):
     limiter.block("login", ("post:username", "Eve@Example.com"), created_by="sec")
     limiter.exempt("login", "partner", until=timedelta(seconds=30))
     LimitOverride.objects.create(name="login", key="ab" * 32, action="exempt")
+    limiter.block("login", XSS, reason=XSS)
     content = client_for(make_user("root", superuser=True)).get(ADMIN).content.decode()
+    assert XSS not in content and "&lt;script&gt;" in content
     assert "every key" in content and "40 per minute, capacity 20" in content and "launch" in content
     assert "post:username=… (value not stored)" in content and "always refused" in content
     assert "partner" in content and "in 30 s" in content

@@ -169,3 +169,14 @@ def test_the_usage_names_the_new_subcommands():
     with pytest.raises(CommandError) as raised:
         call_command("tokenbucket", "nothing")
     assert "override,exempt,block,unblock,overrides" in str(raised.value)
+
+
+def test_the_command_overrides_limits_on_every_backend(ops_store):
+    # Overrides live in the database whatever store decides: a Redis limit obeys them too.
+    limiter.limit("ten_per_minute", "alice", count=10)
+    run("override", "ten_per_minute", "alice", "--rate", "100/m", "--for", "1h")
+    run("block", "ten_per_minute", "--key", "ip=203.0.113.7")
+    assert limiter.get_status("ten_per_minute", "alice").capacity == 100
+    assert limiter.limit("ten_per_minute", ("ip", "203.0.113.7")).override == "block"
+    assert "Removed the limit override of ten_per_minute key 'alice'" in run("unblock", "ten_per_minute", "alice")
+    assert limiter.get_status("ten_per_minute", "alice").capacity == 10
