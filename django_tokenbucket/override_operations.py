@@ -128,10 +128,10 @@ def author(user: str | None = None) -> str:
     """Return ``created_by`` for a change made from a shell: ``manage.py tokenbucket (user@host)``.
 
     The OS account and the host say who ran it where a web login cannot; ``user``, when
-    given (``--created-by``), replaces them.
+    given (``--created-by``), replaces them (the limiter refuses one past 150 characters).
     """
     if user:
-        return user[:150]
+        return user
     try:
         login = getpass.getuser()
     except (KeyError, OSError):  # no passwd entry for the uid (a container)
