@@ -149,6 +149,7 @@ def test_overrides_lists_what_is_in_force(clock):
         (["block", "login", "--key", "nonsense"], "--key: 'nonsense' is not SPEC=VALUE"),
         (["block", "login", "--int"], "'login': --int and --json need a KEY"),
         (["block", "login", "x", "--int"], "--int: 'x' is not an integer"),
+        (["block", "login", "x", "--created-by", "x" * 151], "rate limit 'login': created_by must be at most 150"),
         (["unblock", "login", "nobody"], "rate limit 'login' has no override for key 'nobody': nothing removed"),
     ],
 )
