@@ -26,6 +26,7 @@ from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
+from django.utils.text import format_lazy
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
@@ -100,8 +101,9 @@ class OverrideAddForm(_NoModelValidation):
     key_text = forms.CharField(
         label=_("key"),
         required=False,
-        help_text=_("As “manage.py tokenbucket --key” takes it (%(hint)s); empty: every key of the limit.")
-        % {"hint": KEY_HINT},
+        help_text=format_lazy(
+            _("As “manage.py tokenbucket --key” takes it ({}); empty: every key of the limit."), KEY_HINT
+        ),
     )
     action = forms.ChoiceField(label=_("action"), choices=LimitOverride.Action.choices)
     rate = forms.CharField(
@@ -110,9 +112,9 @@ class OverrideAddForm(_NoModelValidation):
     capacity = _tokens(_("capacity"), _("Action “limit”: the burst."))
     max_reserved = _tokens(_("max reserved"), _("Action “limit”."))
     duration = forms.CharField(
-        label=_("for"), required=False, help_text=_("%(hint)s; empty: until the expiry below, or never.") % {
-            "hint": DURATION_HINT
-        }
+        label=_("for"),
+        required=False,
+        help_text=format_lazy(_("{}; empty: until the expiry below, or never."), DURATION_HINT),
     )
     expires_at = forms.SplitDateTimeField(label=_("expires"), required=False, widget=widgets.AdminSplitDateTime)
     reason = forms.CharField(label=_("reason"), required=False, widget=forms.Textarea(attrs={"rows": 3}))
@@ -192,7 +194,7 @@ class OverrideChangeForm(_NoModelValidation):
     capacity = _tokens(_("capacity"), _("Empty: the limit's."))
     max_reserved = _tokens(_("max reserved"), _("Empty: the limit's."))
     duration = forms.CharField(
-        label=_("for"), required=False, help_text=_("From now: %(hint)s.") % {"hint": DURATION_HINT}
+        label=_("for"), required=False, help_text=format_lazy(_("From now: {}."), DURATION_HINT)
     )
     expires_at = forms.SplitDateTimeField(
         label=_("expires"), required=False, widget=widgets.AdminSplitDateTime, help_text=_("Empty: never.")
