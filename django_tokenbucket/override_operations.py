@@ -41,6 +41,7 @@ __all__ = [
     "author",
     "describe_expiry",
     "describe_numbers",
+    "ends",
     "expire",
     "factor_of",
     "key_digest",
@@ -184,15 +185,23 @@ def describe_numbers(row: LimitOverride, limit: LimitConfig | None) -> str:
     return ", ".join(parts) or "the limit's own numbers"
 
 
+def ends(row: LimitOverride) -> datetime | None:
+    """Return when ``row`` ends as an aware datetime (None: never), whatever ``USE_TZ`` says."""
+    if row.expires_at is None or timezone.is_aware(row.expires_at):
+        return row.expires_at
+    return timezone.make_aware(row.expires_at)
+
+
 def describe_expiry(row: LimitOverride, at: datetime | None = None) -> str:
     """When ``row`` ends: "never", "in 2 h (2026-11-26 12:00 UTC)", or "expired 2026-11-26 12:00 UTC"."""
-    if row.expires_at is None:
+    end = ends(row)
+    if end is None:
         return "never"
     at = at or now()
-    moment = timezone.localtime(row.expires_at).strftime("%Y-%m-%d %H:%M:%S %Z")
-    if row.expires_at <= at:
+    moment = timezone.localtime(end).strftime("%Y-%m-%d %H:%M:%S %Z")
+    if end <= at:
         return f"expired {moment}"
-    left = (row.expires_at - at) // timedelta(microseconds=1)
+    left = (end - at) // timedelta(microseconds=1)
     return f"in {format_duration(left)} ({moment})"
 
 
@@ -331,8 +340,8 @@ def resave(row: LimitOverride, **changes: Any) -> LimitOverride:
 
 def expire(row: LimitOverride) -> bool:
     """End ``row`` now (it stays listed, marked expired); False when it had ended already."""
-    at = now()
-    if row.expires_at is not None and row.expires_at <= at:
+    at, end = now(), ends(row)
+    if end is not None and end <= at:
         return False
     resave(row, expires_at=at)
     return True
@@ -359,6 +368,6 @@ def panel(name: str, digest: str) -> Panel:
     rows = {
         row.key: row
         for row in LimitOverride.objects.using(overrides.database_alias()).filter(name=name, key__in=[digest, ""])
-        if row.expires_at is None or row.expires_at > now()
+        if (end := ends(row)) is None or end > now()
     }
     return Panel(rows.get(digest), rows.get(""))

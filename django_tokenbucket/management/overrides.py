@@ -28,6 +28,7 @@ from ..override_operations import (
     author,
     describe_expiry,
     describe_numbers,
+    ends,
     key_digest,
     now,
     parse_duration,
@@ -187,7 +188,8 @@ class OverrideCommands:
                 f"('tokenbucket overrides {name}' lists those in force)"
             )
         limiter.clear_override(name, key)
-        state = "expired " if found.expires_at is not None and found.expires_at <= now() else ""
+        end = ends(found)
+        state = "expired " if end is not None and end <= now() else ""
         made = f", made by {found.created_by}" if found.created_by else ""
         why = f" ({found.reason})" if found.reason else ""
         self.stdout.write(f"Removed the {state}{found.action} override of {name} {whom}{made}{why}.")
