@@ -282,6 +282,11 @@ def test_a_rows_page_blocks_its_key_with_the_add_permission(clock):
     row = RateLimit.objects.get()
     viewer = client_for(make_user("viewer", "view_ratelimit"))
     assert "Block this key" not in row_page(viewer, row)
+    tool = f'<li><a href="{ADMIN}">Limit overrides</a></li>'
+    assert tool not in viewer.get(CHANGELIST).content.decode()
+    assert tool in client_for(make_user("both", "view_ratelimit", "view_limitoverride")).get(
+        CHANGELIST
+    ).content.decode()  # "Limit overrides", beside "Limits overview"
     form = {"name": "login", "digest": row.key, "action": "block", "for": "1h", "reason": "stuffing"}
     assert viewer.post(f"{BUCKETS}override/", form).status_code == 403
     operator = make_user("operator", "view_ratelimit", "add_limitoverride", "view_limitoverride")

@@ -134,6 +134,12 @@ class RateLimitAdmin(BucketColumns, LimitsOverview):
             raise PermissionDenied
         extra = {
             "overview_url": reverse(f"{self.admin_site.name}:django_tokenbucket_ratelimit_limits"),
+            "overrides_url": (
+                reverse(f"{self.admin_site.name}:django_tokenbucket_limitoverride_changelist")
+                if request.user.has_perm("django_tokenbucket.view_limitoverride")
+                or request.user.has_perm("django_tokenbucket.change_limitoverride")
+                else None
+            ),
             "stored_elsewhere": stored_elsewhere(self.admin_site.name, self.get_queryset(request).db),
             # This process' only: each process remembers the denials it saw (deny_cache).
             "deny_cache_keys": deny_cache.size() if deny_cache.active() is not None else None,
