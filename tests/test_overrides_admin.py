@@ -388,3 +388,16 @@ def test_a_limit_wide_override_shows_on_each_bucket_page_and_a_shard_offers_no_a
     response = client.post(f"{BUCKETS}override/", {"name": "hot", "digest": shards[0], "action": "block"}, follow=True)
     assert "is sharded" in response.content.decode()
     assert LimitOverride.objects.count() == 1
+
+
+def test_with_overrides_off_the_admin_says_so(clock, settings):
+    settings.TOKENBUCKET = {**settings.TOKENBUCKET, "OVERRIDES": False}
+    limiter.limit("login", "alice")
+    row = RateLimit.objects.get()
+    client = client_for(make_user("root", superuser=True))
+    assert "overrides are off" in errors(client.post(f"{ADMIN}add/", add_form(key_text="username=eve")))
+    response = client.post(
+        f"{BUCKETS}override/", {"name": "login", "digest": row.key, "action": "block"}, follow=True
+    )
+    assert "Nothing was changed" in response.content.decode() and "overrides are off" in response.content.decode()
+    assert not LimitOverride.objects.exists()

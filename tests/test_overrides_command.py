@@ -181,3 +181,10 @@ def test_the_command_overrides_limits_on_every_backend(ops_store):
     assert limiter.limit("ten_per_minute", ("ip", "203.0.113.7")).override == "block"
     assert "Removed the limit override of ten_per_minute key 'alice'" in run("unblock", "ten_per_minute", "alice")
     assert limiter.get_status("ten_per_minute", "alice").capacity == 10
+
+
+def test_with_overrides_off_the_command_says_how_to_turn_them_on(settings):
+    settings.TOKENBUCKET = {**settings.TOKENBUCKET, "OVERRIDES": False}
+    with pytest.raises(CommandError, match="rate limit 'login': overrides are off"):
+        run("block", "login", "eve")
+    assert not LimitOverride.objects.exists()
