@@ -52,14 +52,19 @@ def format_duration(us: int) -> str:
     return f"{whole} s"
 
 
-def describe_rate(limit: LimitConfig) -> str:
-    """Return a one-line description such as "token bucket: 10 per minute, capacity 20"."""
+def describe_rate(limit: LimitConfig, *, kind: bool = True) -> str:
+    """Return a one-line description such as "token bucket: 10 per minute, capacity 20".
+
+    Without ``kind``, "10 per minute, capacity 20": for an override, which changes the
+    numbers of a limit but never its kind.
+    """
     period_us = limit.period
     if period_us % MICRO == 0 and period_us // MICRO in _PERIOD_NAMES:
         per = _PERIOD_NAMES[period_us // MICRO]
     else:
         per = format_duration(period_us)
-    parts = [f"{limit.kind}: {format_tokens(limit.rate)} per {per}", f"capacity {format_tokens(limit.capacity)}"]
+    rate = f"{format_tokens(limit.rate)} per {per}"
+    parts = [f"{limit.kind}: {rate}" if kind else rate, f"capacity {format_tokens(limit.capacity)}"]
     if limit.max_reserved is not None:
         parts.append(f"max_reserved {format_tokens(limit.max_reserved)}")
     if limit.algorithm.phased and limit.start is not None:

@@ -14,10 +14,14 @@ Buckets of the other backends (Redis, or a database backend on another database)
 listed, inspected and reset by views of their own (``buckets/<alias>/``), through the
 backend's ``list_buckets`` (SCAN pages on Redis), ``reset`` and ``reset_all``; a banner
 says what a backend cannot show (labels, counts and filters by state, listing at all).
+
+Runtime overrides have an admin of their own (``LimitOverrideAdmin``), and every bucket
+page offers to block, exempt or multiply the limit of its key (``bucket_overrides``).
 """
 
 from .buckets import MAX_ACTION_ROWS
 from .display import CappedPaginator
+from .overrides import LimitOverrideAdmin
 from .rate_limits import RateLimitAdmin
 
-__all__ = ["MAX_ACTION_ROWS", "CappedPaginator", "RateLimitAdmin"]
+__all__ = ["MAX_ACTION_ROWS", "CappedPaginator", "LimitOverrideAdmin", "RateLimitAdmin"]

@@ -20,12 +20,13 @@ from ..live import FULL, LIMITED, PARTIAL
 from ..registry import KnownLimit
 from ..text import describe_rate, format_tokens
 from .actions import BucketActions
+from .bucket_overrides import BucketOverrides
 from .display import _Context, _context, _local_time
 
 __all__ = ["LimitsOverview"]
 
 
-class LimitsOverview(BucketActions):
+class LimitsOverview(BucketOverrides, BucketActions):
     """The limits overview views of ``RateLimitAdmin``, and its extra URLs."""
 
     def get_urls(self) -> list[URLPattern]:
@@ -36,6 +37,9 @@ class LimitsOverview(BucketActions):
             path("buckets/<str:alias>/", wrap(self.buckets_view), name=f"{prefix}_buckets"),
             path("buckets/<str:alias>/key/", wrap(self.bucket_view), name=f"{prefix}_bucket"),
             path("buckets/<str:alias>/reset/", wrap(self.bucket_reset_view), name=f"{prefix}_bucket_reset"),
+            path(
+                "buckets/<str:alias>/override/", wrap(self.bucket_override_view), name=f"{prefix}_bucket_override"
+            ),
             path("limits/", wrap(self.limits_view), name=f"{prefix}_limits"),
             path("limits/<path:name>/", wrap(self.limit_view), name=f"{prefix}_limit"),
             path("<path:object_id>/reset/", wrap(self.reset_view), name=f"{prefix}_reset"),

@@ -18,6 +18,7 @@ from .. import deny_cache
 from ..keys import encode_key
 from ..live import LIMITED, PARTIAL
 from ..models import RateLimit
+from ..registry import known_limits
 from ..request_keys import key_from_text
 from .buckets import stored_elsewhere
 from .changelist import LimitNameFilter, RateLimitChangeList, StateFilter
@@ -133,6 +134,12 @@ class RateLimitAdmin(BucketColumns, LimitsOverview):
             raise PermissionDenied
         extra = {
             "overview_url": reverse(f"{self.admin_site.name}:django_tokenbucket_ratelimit_limits"),
+            "overrides_url": (
+                reverse(f"{self.admin_site.name}:django_tokenbucket_limitoverride_changelist")
+                if request.user.has_perm("django_tokenbucket.view_limitoverride")
+                or request.user.has_perm("django_tokenbucket.change_limitoverride")
+                else None
+            ),
             "stored_elsewhere": stored_elsewhere(self.admin_site.name, self.get_queryset(request).db),
             # This process' only: each process remembers the denials it saw (deny_cache).
             "deny_cache_keys": deny_cache.size() if deny_cache.active() is not None else None,
@@ -149,4 +156,9 @@ class RateLimitAdmin(BucketColumns, LimitsOverview):
         obj = self.get_object(request, unquote(object_id))
         if obj is not None:
             extra["limit_url"] = reverse(f"{self.admin_site.name}:django_tokenbucket_ratelimit_limit", args=[obj.name])
+            known = known_limits(as_rows=False).get(obj.name)
+            if known is not None:
+                extra.update(
+                    self.override_panel(request, known.config.backend, obj.name, obj.key, request.get_full_path())
+                )
         return super().change_view(request, object_id, form_url, extra)

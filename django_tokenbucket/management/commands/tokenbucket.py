@@ -1,4 +1,5 @@
-"""``manage.py tokenbucket list|show|reset|cleanup``: inspect and maintain rate limits.
+"""``manage.py tokenbucket list|show|reset|cleanup``: inspect and maintain rate limits;
+``override|exempt|block|unblock|overrides``: runtime overrides (``management/overrides.py``).
 
 Keys on the command line are strings: ``tokenbucket show login alice`` is the bucket of
 ``limiter.limit("login", key="alice")``; an int or a UUID key is the bucket of its text
@@ -49,6 +50,7 @@ from ...live import FULL, LIMITED, PARTIAL, LiveState, live_state
 from ...registry import CALL_SITES, KnownLimit, interpret, known_limits, plan_bases
 from ...request_keys import key_from_text
 from ...text import describe_rate, format_duration, format_tokens
+from ..overrides import SUBCOMMANDS, OverrideCommands, add_override_parsers
 
 _JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"
 _REQUEST_KEY_HINT = "e.g. --key post:username=alice, --key ip=203.0.113.7, --key user=42"
@@ -65,15 +67,13 @@ def _from_json(value: Any) -> Any:
     return value
 
 
-class Command(BaseCommand):
-    help = "List, inspect, reset and clean up rate limits (see docs/operations.md)."
+class Command(OverrideCommands, BaseCommand):
+    help = "List, inspect, reset and clean up rate limits, and override them (see docs/operations.md)."
 
     def add_arguments(self, parser: ArgumentParser) -> None:
-        # Accepted after the subcommand, where people type it.
-        common = ArgumentParser(add_help=False)
-        common.add_argument("--database", help="Database alias of the RateLimit table (default: the backend's).")
         # Django's own options, accepted after the subcommand too ("tokenbucket list
         # --settings X"); SUPPRESS keeps the values given before it.
+        django_options = ArgumentParser(add_help=False)
         for flags, kwargs in (
             (("--settings",), {}),
             (("--pythonpath",), {}),
@@ -82,8 +82,12 @@ class Command(BaseCommand):
             (("--no-color",), {"action": "store_true"}),
             (("--force-color",), {"action": "store_true"}),
         ):
-            common.add_argument(*flags, default=SUPPRESS, help=SUPPRESS, **kwargs)
-        sub = parser.add_subparsers(dest="subcommand", required=True, metavar="{list,show,reset,cleanup}")
+            django_options.add_argument(*flags, default=SUPPRESS, help=SUPPRESS, **kwargs)
+        # Accepted after the subcommand, where people type it.
+        common = ArgumentParser(add_help=False, parents=[django_options])
+        common.add_argument("--database", help="Database alias of the RateLimit table (default: the backend's).")
+        names = ",".join(("list", "show", "reset", "cleanup", *SUBCOMMANDS))
+        sub = parser.add_subparsers(dest="subcommand", required=True, metavar=f"{{{names}}}")
 
         listing = sub.add_parser(
             "list", parents=[common], help="Limits with their config, and how many keys each has stored."
@@ -143,6 +147,8 @@ class Command(BaseCommand):
         )
         clean.add_argument("--name", action="append", dest="names", help="Only this limit (repeatable).")
         clean.add_argument("--json", action="store_true", dest="as_json", help="Print the report as JSON.")
+        # Overrides live in the overrides' database, whatever backend decides: no --database.
+        add_override_parsers(sub, django_options)
 
     def handle(self, *args: Any, **options: Any) -> None:
         database = options.get("database")

@@ -1,0 +1,373 @@
+"""What the admin and the command do with runtime overrides, beside ``limiter.override``.
+
+``limiter.override``/``exempt``/``block`` take a key as callers give it; an operator
+types one (``post:username=Alice@Example.com``, as ``tokenbucket show --key`` takes it),
+and on a bucket page, or when editing a stored override, has only its digest (Redis
+keeps no label, request data is never stored in clear). This module turns what an
+operator types into what the API takes (a key, a duration), makes and edits overrides
+of a digest with the API's checks, and says what an override does in words. Every
+write goes through ``overrides.save``/``overrides.delete``, which bump the version
+stamp in the same transaction, so every process notices.
+"""
+
+from __future__ import annotations
+
+import getpass
+import re
+import socket
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.utils import timezone
+
+from . import clock, overrides
+from .algorithms import MICRO
+from .api import limiter
+from .keys import Redacted, encode_key, is_request_data_key, label_as_typed
+from .limits import LimitConfig, to_micro
+from .models import LimitOverride
+from .rates import UNIT_SECONDS, parse_rate, to_fraction
+from .request_keys import key_from_text, normalize_identity
+from .text import describe_rate, format_duration, format_tokens
+
+__all__ = [
+    "DURATION_HINT",
+    "KEY_HINT",
+    "Panel",
+    "author",
+    "describe_expiry",
+    "describe_numbers",
+    "ends",
+    "expire",
+    "factor_of",
+    "key_digest",
+    "key_from_spec",
+    "multiplied",
+    "now",
+    "numbers_from_text",
+    "panel",
+    "parse_duration",
+    "rate_text",
+    "replaced",
+    "resave",
+    "save_digest",
+    "shown_key",
+]
+
+KEY_HINT = "e.g. post:username=alice, username=alice, header:X-Api-Key=..., get:q=..., ip=203.0.113.7, user=42"
+DURATION_HINT = "e.g. 90s, 30m, 1h, 7d, 2w"
+
+_WEEK = 7 * 86_400
+_DURATION = re.compile(r"\s*([0-9]{1,9})\s*([a-z]+)\s*", re.ASCII)
+#: The largest unit first: how a period is written back as a rate string.
+_RATE_UNITS = ((86_400, "d"), (3_600, "h"), (60, "m"), (1, "s"))
+
+
+def now() -> datetime:
+    """Return the time decisions compare expiries with (pinned by ``frozen_clock``), as an aware datetime."""
+    return datetime.fromtimestamp(clock.app_now() / MICRO, tz=UTC)
+
+
+def parse_duration(text: str) -> timedelta:
+    """Return ``"90s"``, ``"30m"``, ``"1h"``, ``"7d"``, ``"2w"`` as a timedelta; ValueError otherwise.
+
+    The units of rate strings (``s``, ``m``/``min``, ``h``, ``d``, and their words) and
+    weeks: one number and one unit, which is what an operator writes for "block for a
+    week" and never reads two ways.
+    """
+    match = _DURATION.fullmatch(text.lower())
+    seconds = None
+    if match is not None:
+        unit = match[2]
+        size = _WEEK if unit in ("w", "week", "weeks") else UNIT_SECONDS.get(unit)
+        seconds = None if size is None else int(match[1]) * size
+    if not seconds:
+        raise ValueError(f"{text!r} is not a duration ({DURATION_HINT})")
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"{text!r} is too long a duration") from None
+
+
+def key_from_spec(name: str, text: str) -> object:
+    """Return the key ``SPEC=VALUE`` stands for (as ``tokenbucket show --key``), None for "" (every key).
+
+    The value is normalised later, by the API, as ``@ratelimit`` normalises what a
+    request sends. ValueError naming limit ``name`` when it is not SPEC=VALUE.
+    """
+    if not text.strip():
+        return None
+    key = key_from_text(text)
+    if key is None:
+        raise ValueError(f"rate limit {name!r}: key {text.strip()!r} is not SPEC=VALUE ({KEY_HINT})")
+    return key
+
+
+def key_digest(name: str, key: object) -> tuple[str, str]:
+    """Return the digest and label an override of ``key`` is stored under ("" for every key).
+
+    As ``limiter.override`` stores it: a key of request data has its value normalised as
+    ``@ratelimit`` normalises what a request sends. ValueError naming limit ``name`` when
+    ``key`` cannot be a key.
+    """
+    if key is None:
+        return "", ""
+    if is_request_data_key(key) and isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], str):
+        key = (key[0], Redacted(normalize_identity(key[1])))
+    try:
+        encoded = encode_key(key)
+    except TypeError as exc:
+        raise ValueError(f"rate limit {name!r}: {exc}") from None
+    return encoded.digest, encoded.label
+
+
+def author(user: str | None = None) -> str:
+    """Return ``created_by`` for a change made from a shell: ``manage.py tokenbucket (user@host)``.
+
+    The OS account and the host say who ran it where a web login cannot; ``user``, when
+    given (``--created-by``), replaces them (the limiter refuses one past 150 characters).
+    """
+    if user:
+        return user
+    try:
+        login = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry for the uid (a container)
+        login = "unknown"
+    return f"manage.py tokenbucket ({login}@{socket.gethostname()})"[:150]
+
+
+def shown_key(row: LimitOverride) -> str:
+    """The key of ``row`` as the admin and the command show it: its label, its digest's prefix, or every key."""
+    if row.every_key:
+        return "every key"
+    return label_as_typed(row.label) or f"{row.key[:12]}…"
+
+
+def _stored(row: LimitOverride) -> dict[str, int | None]:
+    return {number: getattr(row, number) for number in overrides.NUMBERS}
+
+
+def _derived(row: LimitOverride, limit: LimitConfig | None) -> LimitConfig | None:
+    if limit is None:
+        return None
+    try:
+        return overrides.derive(limit, **_stored(row))
+    except ImproperlyConfigured:  # the limit changed since: its numbers no longer fit
+        return None
+
+
+def describe_numbers(row: LimitOverride, limit: LimitConfig | None) -> str:
+    """What ``row`` lets through, in words: "always allowed", "always refused", or the rate in force.
+
+    ``limit`` is the limit's config (None when it is no longer configured: the stored
+    numbers are shown as they are).
+    """
+    if row.action == overrides.EXEMPT:
+        return "always allowed, nothing counted"
+    if row.action == overrides.BLOCK:
+        return "always refused"
+    derived = _derived(row, limit)
+    if derived is not None:
+        return describe_rate(derived, kind=False)
+    parts = []
+    if row.rate is not None:
+        period = f" per {format_duration(row.period)}" if row.period is not None else ""
+        parts.append(f"rate {format_tokens(row.rate)}{period}")
+    elif row.period is not None:
+        parts.append(f"period {format_duration(row.period)}")
+    for number in ("capacity", "max_reserved"):
+        if getattr(row, number) is not None:
+            parts.append(f"{number} {format_tokens(getattr(row, number))}")
+    return ", ".join(parts) or "the limit's own numbers"
+
+
+def ends(row: LimitOverride) -> datetime | None:
+    """Return when ``row`` ends as an aware datetime (None: never), whatever ``USE_TZ`` says."""
+    if row.expires_at is None or timezone.is_aware(row.expires_at):
+        return row.expires_at
+    return timezone.make_aware(row.expires_at)
+
+
+def describe_expiry(row: LimitOverride, at: datetime | None = None) -> str:
+    """When ``row`` ends: "never", "in 2 h (2026-11-26 12:00 UTC)", or "expired 2026-11-26 12:00 UTC"."""
+    end = ends(row)
+    if end is None:
+        return "never"
+    at = at or now()
+    moment = timezone.localtime(end).strftime("%Y-%m-%d %H:%M:%S %Z")
+    if end <= at:
+        return f"expired {moment}"
+    left = (end - at) // timedelta(microseconds=1)
+    return f"in {format_duration(left)} ({moment})"
+
+
+def rate_text(row: LimitOverride, limit: LimitConfig | None) -> str:
+    """Return ``row``'s rate as a rate string (``"100/m"``, ``"5/90s"``), "" when it has none.
+
+    A rate in fractions of a token has no rate string: it shows as ``tokens/seconds``,
+    which a form given it back unchanged keeps as it is.
+    """
+    if row.rate is None:
+        return ""
+    period = row.period if row.period is not None else (limit.period if limit is not None else None)
+    if period is None:
+        return ""
+    tokens = format_tokens(row.rate).replace(",", "")
+    if period % MICRO:
+        return f"{tokens}/{Decimal(period) / MICRO}s"
+    seconds = period // MICRO
+    for size, unit in _RATE_UNITS:
+        if seconds % size == 0:
+            count = seconds // size
+            return f"{tokens}/{'' if count == 1 else count}{unit}"
+    return f"{tokens}/{seconds}s"  # pragma: no cover - 1 divides every period
+
+
+def numbers_from_text(
+    limit: LimitConfig, rate: str | None, capacity: Decimal | None, max_reserved: Decimal | None
+) -> dict[str, int | None]:
+    """Return the numbers of a ``limit`` override (micro-units, None: the limit's own), checked.
+
+    ``rate`` is a rate string (``"100/m"``: its period replaces the limit's). ValueError
+    naming the limit when they are not numbers a limit can have, or could never admit a
+    call of one token: the checks ``limiter.override`` makes.
+    """
+    numbers: dict[str, int | None] = dict.fromkeys(overrides.NUMBERS)
+    try:
+        if rate:
+            tokens, seconds = parse_rate(rate.strip())
+            numbers["rate"] = to_micro(tokens, "rate", rate)
+            numbers["period"] = to_micro(seconds, "period", rate)
+        for what, amount in (("capacity", capacity), ("max_reserved", max_reserved)):
+            if amount is None:
+                continue
+            value = to_fraction(amount, what)
+            if value < 0 or (value == 0 and what == "capacity"):
+                raise ValueError(f"{what} must be {'positive' if what == 'capacity' else 'at least 0'}, not {amount}")
+            numbers[what] = to_micro(value, what, amount)
+    except ValueError as exc:
+        raise ValueError(f"rate limit {limit.name!r}: override: {exc}") from None
+    if all(value is None for value in numbers.values()):
+        raise ValueError(f"rate limit {limit.name!r}: give a rate, a capacity or a max_reserved (or exempt or block)")
+    _check(limit, numbers)
+    return numbers
+
+
+def factor_of(text: str) -> Fraction:
+    """Return the N of "give ×N" as typed in a form; ValueError when it is not a number above 0."""
+    try:
+        factor = Fraction(Decimal(text.strip()))
+    except (ArithmeticError, ValueError):
+        raise ValueError(f"×{text.strip()!r}: not a number") from None
+    if not 0 < factor <= 1_000_000:
+        raise ValueError(f"×{text.strip()}: the factor must be above 0 and at most 1,000,000")
+    return factor
+
+
+def multiplied(limit: LimitConfig, factor: Fraction) -> dict[str, int | None]:
+    """Return the numbers of "give ×``factor``": the limit's rate and capacity times ``factor``."""
+    if factor <= 0:
+        raise ValueError(f"rate limit {limit.name!r}: the factor must be positive, not {float(factor):g}")
+    numbers: dict[str, int | None] = dict.fromkeys(overrides.NUMBERS)
+    try:
+        numbers["rate"] = to_micro(Fraction(limit.rate, MICRO) * factor, "rate", float(factor))
+        numbers["capacity"] = to_micro(Fraction(limit.capacity, MICRO) * factor, "capacity", float(factor))
+    except ValueError as exc:
+        raise ValueError(f"rate limit {limit.name!r}: ×{float(factor):g}: {exc}") from None
+    _check(limit, numbers)
+    return numbers
+
+
+def _check(limit: LimitConfig, numbers: dict[str, int | None]) -> None:
+    try:
+        derived = overrides.derive(limit, **numbers)
+    except ImproperlyConfigured as exc:
+        raise ValueError(f"{exc} (in an override)") from None
+    if derived.max_plain_count < MICRO and (derived.max_count or 0) < MICRO:
+        raise ValueError(
+            f"rate limit {limit.name!r}: this override could never admit a call of one token "
+            f"(capacity {derived.capacity_tokens:g}); give a capacity of at least 1, or block the key"
+        )
+
+
+def replaced(name: str, digest: str) -> LimitOverride | None:
+    """Return the stored override (in force or not) that one of key ``digest`` of ``name`` would replace."""
+    return LimitOverride.objects.using(overrides.database_alias()).filter(name=name, key=digest).first()
+
+
+def save_digest(
+    name: str,
+    digest: str,
+    label: str,
+    action: str,
+    *,
+    numbers: dict[str, int | None] | None = None,
+    until: timedelta | datetime | None = None,
+    reason: str = "",
+    created_by: str = "",
+) -> LimitOverride:
+    """Create or replace the override of the key whose digest is ``digest`` ("" every key).
+
+    For a bucket page, which knows a key by its digest only: ``limiter.override`` with
+    a key otherwise. ``numbers`` come from ``numbers_from_text`` or ``multiplied``
+    (checked there); ImproperlyConfigured when the limit is unknown or overrides are
+    off, ValueError naming the limit for an ``until`` not in the future.
+    """
+    limit = limiter.resolve(name)
+    if overrides.active() is None:
+        raise ImproperlyConfigured(f"rate limit {limit.name!r}: overrides are off (TOKENBUCKET['OVERRIDES'] is False)")
+    fields = {"expires_at": overrides.expiry(limit.name, until), "reason": reason, "created_by": created_by[:150]}
+    numbers = dict.fromkeys(overrides.NUMBERS) | (numbers or {})
+    return overrides.save(limit.name, digest, label, action, numbers, fields)
+
+
+def resave(row: LimitOverride, **changes: Any) -> LimitOverride:
+    """Write ``row`` again with ``changes`` (numbers, ``expires_at``, ``reason``), bumping the version stamp."""
+    current: dict[str, Any] = {
+        **_stored(row),
+        "expires_at": row.expires_at,
+        "reason": row.reason,
+        "created_by": row.created_by,
+        **changes,
+    }
+    numbers = {number: current.pop(number) for number in overrides.NUMBERS}
+    return overrides.save(row.name, row.key, row.label, row.action, numbers, current)
+
+
+def expire(row: LimitOverride) -> bool:
+    """End ``row`` now (it stays listed, marked expired); False when it had ended already."""
+    at, end = now(), ends(row)
+    if end is not None and end <= at:
+        return False
+    resave(row, expires_at=at)
+    return True
+
+
+@dataclass(frozen=True)
+class Panel:
+    """What a bucket page says about overrides: the key's own and its limit's, in force now."""
+
+    own: LimitOverride | None
+    every_key: LimitOverride | None
+
+    @property
+    def in_force(self) -> LimitOverride | None:
+        """The override a decision on this key meets now: its own wins over its limit's."""
+        return self.own or self.every_key
+
+
+def panel(name: str, digest: str) -> Panel:
+    """Return the overrides in force for key ``digest`` of limit ``name``, read from the database.
+
+    Read from the rows rather than this process' snapshot, which may be MAX_AGE old.
+    """
+    rows = {
+        row.key: row
+        for row in LimitOverride.objects.using(overrides.database_alias()).filter(name=name, key__in=[digest, ""])
+        if (end := ends(row)) is None or end > now()
+    }
+    return Panel(rows.get(digest), rows.get(""))
