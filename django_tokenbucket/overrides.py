@@ -34,13 +34,14 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import SyncToAsync, sync_to_async
 from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
@@ -323,6 +324,11 @@ def _refresh() -> None:
         try:
             _read()
         except Exception as exc:  # a failed read keeps the snapshot held: see the module
+            alias = database_alias()
+            if not connections[alias].in_atomic_block:
+                # A worker thread (the asyncio paths) has no request cycle to replace a
+                # connection the server dropped: without this it would fail for ever.
+                connections[alias].close_if_unusable_or_obsolete()
             throttled_logger.warning(
                 "overrides",
                 "rate-limit overrides could not be read, keeping the %d held: %s",
@@ -508,6 +514,14 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     _pending.clear()
     invalidate()
+    # The asyncio paths read through sync_to_async's one shared worker thread. A parent
+    # that used it forks a child whose executor still counts that thread, which did
+    # not survive the fork: every call would queue behind it for ever (a hang seen in
+    # the test suite's forked workers). A new executor starts a live thread on first use.
+    executor = SyncToAsync.single_thread_executor
+    threads = getattr(executor, "_threads", ())
+    if threads and not any(thread.is_alive() for thread in threads):
+        SyncToAsync.single_thread_executor = ThreadPoolExecutor(max_workers=1)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

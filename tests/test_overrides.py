@@ -9,6 +9,7 @@ clock with a short MAX_AGE.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import time
@@ -544,6 +545,35 @@ def test_a_forked_child_reads_the_overrides_again(backend, clock):
     assert parent.poll(60)
     assert parent.recv() == "block"
     process.join(30)
+    assert process.exitcode == 0
+
+
+def _areport_override(connection):
+    # The asyncio path reads the overrides through sync_to_async's worker thread.
+    status = asyncio.run(limiter.acheck("login", "k"))
+    connection.send(status.override)
+    connections.close_all()
+
+
+def test_a_forked_child_reads_the_overrides_on_the_asyncio_path_too(backend, clock):
+    """The parent has used sync_to_async's one worker thread, which a fork does not copy:
+    the child's first async decision must not wait for it for ever."""
+    limiter.block("login", "k")
+    assert async_to_sync(limiter.acheck)("login", "k").override == "block"  # reads in that thread
+    overrides.invalidate()
+    asyncio.run(overrides.arefresh_if_due())
+    connections.close_all()
+    context = multiprocessing.get_context("fork")
+    parent, child = context.Pipe()
+    process = context.Process(target=_areport_override, args=(child,))
+    process.start()
+    try:
+        assert parent.poll(30), "the child's first async decision hung"
+        assert parent.recv() == "block"
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
     assert process.exitcode == 0
 
 
