@@ -20,12 +20,11 @@ from .algorithms import MICRO, Decision
 from .backends import get_backend
 from .backends.base import BackendError, BaseBackend, Outcome, Request
 from .exceptions import BackendUnavailable, RateLimited
-from .keys import EncodedKey, Redacted, encode_key, is_request_data_key
+from .keys import EncodedKey, encode_key
 from .limits import LimitConfig, count_to_micro, freeze, parse_limit, to_micro
 from .logs import throttled_logger
 from .overrides import Override
 from .rates import parse_period, parse_rate, to_fraction
-from .request_keys import normalize_identity
 from .settings import tokenbucket_settings
 from .shards import key_buckets, pick_two, shard_configs, shard_key, split
 from .status import MultiStatus, Status
@@ -448,7 +447,7 @@ class Limiter:
         """
         if not isinstance(name, str):
             raise ValueError(f"a rate limit name must be a str, not {name!r}")
-        return overrides.delete(name, self._override_digest(name, key)[0])
+        return overrides.delete(name, overrides.key_digest(name, key)[0])
 
     def overrides(self, name: str | None = None) -> list[LimitOverride]:
         """Return the overrides in force (not expired), of limit ``name`` or of all, by limit and key."""
@@ -522,43 +521,10 @@ class Limiter:
         reason: str,
         created_by: str,
     ) -> LimitOverride:
-        if overrides.active() is None:
-            raise ImproperlyConfigured(
-                f"rate limit {limit.name!r}: overrides are off (TOKENBUCKET['OVERRIDES'] is False), so this one "
-                f"would never apply; set OVERRIDES to {{'MAX_AGE': {overrides.DEFAULT_MAX_AGE}}} to use them"
-            )
-        for what, text in (("reason", reason), ("created_by", created_by)):
-            if not isinstance(text, str):
-                raise ValueError(f"rate limit {limit.name!r}: {what} must be a str, not {text!r}")
-        if len(created_by) > 150:
-            raise ValueError(f"rate limit {limit.name!r}: created_by must be at most 150 characters (a username)")
-        digest, label = self._override_digest(limit.name, key)
-        fields = {
-            "expires_at": overrides.expiry(limit.name, until),
-            "reason": reason,
-            "created_by": created_by,
-        }
-        return overrides.save(
-            limit.name, digest, label, action, dict.fromkeys(overrides.NUMBERS) | numbers, fields
+        digest, label = overrides.key_digest(limit.name, key)
+        return overrides.save_checked(
+            limit, digest, label, action, numbers, until=until, reason=reason, created_by=created_by
         )
-
-    @staticmethod
-    def _override_digest(name: str, key: object) -> tuple[str, str]:
-        """Return the digest and label an override of ``key`` is stored under ("" for every key).
-
-        A key of request data (``("post:username", "Alice@Example.com ")``) is
-        normalised as the decorator normalises what a request sends, so that the
-        override reaches the bucket that request's decisions use.
-        """
-        if key is None:
-            return "", ""
-        if is_request_data_key(key) and isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], str):
-            key = (key[0], Redacted(normalize_identity(key[1])))
-        try:
-            encoded = encode_key(key)
-        except TypeError as exc:
-            raise ValueError(f"rate limit {name!r}: {exc}") from None
-        return encoded.digest, encoded.label
 
     # -- internals -------------------------------------------------------------------
 
@@ -1360,15 +1326,7 @@ def _override_numbers(
             numbers[what] = to_micro(tokens, what, amount)
     except ValueError as exc:
         raise ValueError(f"rate limit {limit.name!r}: override: {exc}") from None
-    try:
-        derived = overrides.derive(limit, **dict.fromkeys(overrides.NUMBERS) | numbers)
-    except ImproperlyConfigured as exc:
-        raise ValueError(f"{exc} (in an override)") from None
-    if derived.max_plain_count < MICRO and (derived.max_count or 0) < MICRO:
-        raise ValueError(
-            f"rate limit {limit.name!r}: this override could never admit a call of one token "
-            f"(capacity {derived.capacity_tokens:g}); give a capacity of at least 1, or block() the key"
-        )
+    overrides.check_admits(limit, numbers)
     return numbers
 
 

@@ -27,11 +27,11 @@ from django.utils import timezone
 from . import clock, overrides
 from .algorithms import MICRO
 from .api import limiter
-from .keys import Redacted, encode_key, is_request_data_key, label_as_typed
+from .keys import label_as_typed
 from .limits import LimitConfig, to_micro
 from .models import LimitOverride
 from .rates import UNIT_SECONDS, parse_rate, to_fraction
-from .request_keys import key_from_text, normalize_identity
+from .request_keys import key_from_text
 from .text import describe_rate, format_duration, format_tokens
 
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
     "ends",
     "expire",
     "factor_of",
-    "key_digest",
     "key_from_spec",
     "multiplied",
     "now",
@@ -105,24 +104,6 @@ def key_from_spec(name: str, text: str) -> object:
     if key is None:
         raise ValueError(f"rate limit {name!r}: key {text.strip()!r} is not SPEC=VALUE ({KEY_HINT})")
     return key
-
-
-def key_digest(name: str, key: object) -> tuple[str, str]:
-    """Return the digest and label an override of ``key`` is stored under ("" for every key).
-
-    As ``limiter.override`` stores it: a key of request data has its value normalised as
-    ``@ratelimit`` normalises what a request sends. ValueError naming limit ``name`` when
-    ``key`` cannot be a key.
-    """
-    if key is None:
-        return "", ""
-    if is_request_data_key(key) and isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], str):
-        key = (key[0], Redacted(normalize_identity(key[1])))
-    try:
-        encoded = encode_key(key)
-    except TypeError as exc:
-        raise ValueError(f"rate limit {name!r}: {exc}") from None
-    return encoded.digest, encoded.label
 
 
 def author(user: str | None = None) -> str:
@@ -253,7 +234,7 @@ def numbers_from_text(
         raise ValueError(f"rate limit {limit.name!r}: override: {exc}") from None
     if all(value is None for value in numbers.values()):
         raise ValueError(f"rate limit {limit.name!r}: give a rate, a capacity or a max_reserved (or exempt or block)")
-    _check(limit, numbers)
+    overrides.check_admits(limit, numbers)
     return numbers
 
 
@@ -278,20 +259,8 @@ def multiplied(limit: LimitConfig, factor: Fraction) -> dict[str, int | None]:
         numbers["capacity"] = to_micro(Fraction(limit.capacity, MICRO) * factor, "capacity", float(factor))
     except ValueError as exc:
         raise ValueError(f"rate limit {limit.name!r}: ×{float(factor):g}: {exc}") from None
-    _check(limit, numbers)
+    overrides.check_admits(limit, numbers)
     return numbers
-
-
-def _check(limit: LimitConfig, numbers: dict[str, int | None]) -> None:
-    try:
-        derived = overrides.derive(limit, **numbers)
-    except ImproperlyConfigured as exc:
-        raise ValueError(f"{exc} (in an override)") from None
-    if derived.max_plain_count < MICRO and (derived.max_count or 0) < MICRO:
-        raise ValueError(
-            f"rate limit {limit.name!r}: this override could never admit a call of one token "
-            f"(capacity {derived.capacity_tokens:g}); give a capacity of at least 1, or block the key"
-        )
 
 
 def replaced(name: str, digest: str) -> LimitOverride | None:
@@ -318,11 +287,9 @@ def save_digest(
     off, ValueError naming the limit for an ``until`` not in the future.
     """
     limit = limiter.resolve(name)
-    if overrides.active() is None:
-        raise ImproperlyConfigured(f"rate limit {limit.name!r}: overrides are off (TOKENBUCKET['OVERRIDES'] is False)")
-    fields = {"expires_at": overrides.expiry(limit.name, until), "reason": reason, "created_by": created_by[:150]}
-    numbers = dict.fromkeys(overrides.NUMBERS) | (numbers or {})
-    return overrides.save(limit.name, digest, label, action, numbers, fields)
+    return overrides.save_checked(
+        limit, digest, label, action, numbers or {}, until=until, reason=reason, created_by=created_by[:150]
+    )
 
 
 def resave(row: LimitOverride, **changes: Any) -> LimitOverride:

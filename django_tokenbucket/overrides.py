@@ -52,8 +52,10 @@ from django.utils import timezone
 
 from . import clock, deny_cache
 from .algorithms import MICRO
+from .keys import Redacted, encode_key, is_request_data_key
 from .limits import LimitConfig, parse_limit
 from .logs import throttled_logger
+from .request_keys import normalize_identity
 from .settings import tokenbucket_settings
 
 if TYPE_CHECKING:
@@ -70,6 +72,7 @@ __all__ = [
     "Settings",
     "active",
     "arefresh_if_due",
+    "check_admits",
     "current",
     "database_alias",
     "delete",
@@ -77,10 +80,12 @@ __all__ = [
     "expiry",
     "in_force",
     "invalidate",
+    "key_digest",
     "lookup",
     "parse",
     "refresh_if_due",
     "save",
+    "save_checked",
 ]
 
 LIMIT = "limit"
@@ -422,6 +427,67 @@ def expiry(name: str, until: object) -> datetime | None:
     if ends <= now:
         raise ValueError(f"rate limit {name!r}: until {until!r} is not in the future (now is {now.isoformat()})")
     return ends
+
+
+def key_digest(name: str, key: object) -> tuple[str, str]:
+    """Return the digest and label an override of ``key`` is stored under ("" for every key).
+
+    A key of request data (``("post:username", "Alice@Example.com ")``) is normalised as
+    the decorator normalises what a request sends, so that the override reaches the
+    bucket that request's decisions use. ValueError naming limit ``name`` when ``key``
+    cannot be a key.
+    """
+    if key is None:
+        return "", ""
+    if is_request_data_key(key) and isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], str):
+        key = (key[0], Redacted(normalize_identity(key[1])))
+    try:
+        encoded = encode_key(key)
+    except TypeError as exc:
+        raise ValueError(f"rate limit {name!r}: {exc}") from None
+    return encoded.digest, encoded.label
+
+
+def check_admits(limit: LimitConfig, numbers: Mapping[str, int | None]) -> None:
+    """Raise ValueError naming the limit unless ``numbers`` (micro-units, None: the limit's
+    own) make a valid limit of ``limit`` that can admit a call of one token."""
+    try:
+        derived = derive(limit, **(dict.fromkeys(NUMBERS) | dict(numbers)))
+    except ImproperlyConfigured as exc:
+        raise ValueError(f"{exc} (in an override)") from None
+    if derived.max_plain_count < MICRO and (derived.max_count or 0) < MICRO:
+        raise ValueError(
+            f"rate limit {limit.name!r}: this override could never admit a call of one token "
+            f"(capacity {derived.capacity_tokens:g}); give a capacity of at least 1, or block the key"
+        )
+
+
+def save_checked(
+    limit: LimitConfig,
+    digest: str,
+    label: str,
+    action: str,
+    numbers: Mapping[str, int | None],
+    *,
+    until: object,
+    reason: str,
+    created_by: str,
+) -> LimitOverride:
+    """``save`` after the checks every writer makes (the API, the admin, the command):
+    overrides on, ``reason`` and ``created_by`` text, ``until`` in the future. ``numbers``
+    are checked by the caller (``check_admits``)."""
+    if active() is None:
+        raise ImproperlyConfigured(
+            f"rate limit {limit.name!r}: overrides are off (TOKENBUCKET['OVERRIDES'] is False), so this one "
+            f"would never apply; set OVERRIDES to {{'MAX_AGE': {DEFAULT_MAX_AGE}}} to use them"
+        )
+    for what, text in (("reason", reason), ("created_by", created_by)):
+        if not isinstance(text, str):
+            raise ValueError(f"rate limit {limit.name!r}: {what} must be a str, not {text!r}")
+    if len(created_by) > 150:
+        raise ValueError(f"rate limit {limit.name!r}: created_by must be at most 150 characters (a username)")
+    fields = {"expires_at": expiry(limit.name, until), "reason": reason, "created_by": created_by}
+    return save(limit.name, digest, label, action, dict.fromkeys(NUMBERS) | dict(numbers), fields)
 
 
 def save(

@@ -380,6 +380,17 @@ def test_cancel_returns_the_tokens_once(tables, sent):
     assert effects() == []
 
 
+def test_an_exempt_key_reserves_nothing_so_a_cancel_gives_nothing_back(tables, sent):
+    """An exempt reservation took no tokens: cancelling it must not mint any (issue 30)."""
+    schedule(record_effect.s("spent"), "hourly", "k", config=HOURLY, count=4)
+    limiter.exempt("hourly", "k")
+    result = schedule(record_effect.s("exempt"), "hourly", "k", config=HOURLY, count=4)
+    assert result.ok and result.status.override == "exempt" and result.reservation.count == 0
+    limiter.clear_override("hourly", "k")
+    assert cancel(result.reservation) is True and result.reservation.refunded_tokens == 0
+    assert limiter.get_value("hourly", "k", config=HOURLY) == pytest.approx(6, abs=0.01)
+
+
 def test_a_task_returns_unused_tokens_once(tables, sent):
     result = schedule(record_effect.s("llm", refund=2.8), "hourly", "k", config=HOURLY, count=4)
     run_now(result.reservation)

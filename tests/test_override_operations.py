@@ -13,13 +13,13 @@ from django_tokenbucket import limiter
 from django_tokenbucket.models import LimitOverride
 from django_tokenbucket.override_operations import (
     factor_of,
-    key_digest,
     key_from_spec,
     multiplied,
     numbers_from_text,
     parse_duration,
     rate_text,
 )
+from django_tokenbucket.overrides import key_digest
 
 M = 1_000_000
 

@@ -41,7 +41,6 @@ from ..override_operations import (
     describe_expiry,
     describe_numbers,
     expire,
-    key_digest,
     key_from_spec,
     now,
     numbers_from_text,
@@ -150,7 +149,7 @@ class OverrideAddForm(_NoModelValidation):
         if self.errors:
             return data
         try:
-            existing = replaced(name, key_digest(name, key)[0])
+            existing = replaced(name, overrides.key_digest(name, key)[0])
             if existing is not None and not self.may_replace:
                 self.add_error(
                     None,
@@ -353,7 +352,8 @@ class LimitOverrideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         elif term:
             # Request data is stored as a digest only: found by the key as typed.
             keys = [term, key_from_text(term)]
-            results = results | queryset.filter(key__in=[key_digest("", key)[0] for key in keys if key is not None])
+            digests = [overrides.key_digest("", key)[0] for key in keys if key is not None]
+            results = results | queryset.filter(key__in=digests)
         return results, may_have_duplicates
 
     # -- add and change ------------------------------------------------------------------

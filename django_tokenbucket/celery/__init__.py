@@ -50,7 +50,7 @@ from ..metrics import count_reservations
 from ..settings import tokenbucket_settings
 from ..status import Status, ambiguous_truth
 from . import reservations
-from .reservations import CELERY_DEFAULTS, WAITING, HeldTokens, cancel, refund, reservation_model
+from .reservations import CELERY_DEFAULTS, WAITING, HeldTokens, cancel, refund, reservation_model, took_nothing
 from .signatures import dump_signature, load_signature, publish_options
 
 if TYPE_CHECKING:
@@ -230,8 +230,9 @@ def _record_reservation(
     ones (decided in a transaction of their own): the caller returns those after the rollback."""
     alias = reservations.database_alias()
     shared = not tokens_committed and reservations.shares_transaction(alias, limit)
-    # A failed-open store or a shadow limit that would deny reserved nothing.
-    reserved = 0 if status.failed_open or status.would_deny else limit.validate_count(count, True)
+    # A failed-open store, a shadow limit that would deny and an exempt key reserved
+    # nothing: giving those tokens back on a cancel or refund would mint them.
+    reserved = 0 if took_nothing(status) else limit.validate_count(count, True)
     now_us = clock.app_now() if status.timestamp is None else round(status.timestamp * MICRO)
     wait_us = round(status.retry_after * MICRO) if reserved and status.retry_after else 0
     jitter_us = round(random.uniform(0, jitter) * MICRO) if jitter else 0

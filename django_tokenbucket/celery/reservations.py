@@ -30,6 +30,7 @@ from ..exceptions import BackendUnavailable
 from ..keys import EncodedKey
 from ..limits import LimitConfig, count_to_micro
 from ..settings import tokenbucket_settings
+from ..status import Status
 
 if TYPE_CHECKING:
     from ..models import Reservation
@@ -46,6 +47,7 @@ __all__ = [
     "refund",
     "shares_transaction",
     "snapshot",
+    "took_nothing",
 ]
 
 logger = logging.getLogger("django_tokenbucket")
@@ -54,6 +56,13 @@ logger = logging.getLogger("django_tokenbucket")
 WAITING = ("scheduled", "sent")
 #: The work started: unused tokens may be refunded.
 STARTED = ("running", "done", "failed")
+
+
+def took_nothing(status: Status) -> bool:
+    """Whether an allowed reservation took no tokens: the store failed open, a shadow limit
+    would have denied it, or the key is exempt (an override). There is nothing to give
+    back for it, and giving back anyway would mint tokens."""
+    return status.failed_open or status.would_deny or status.override == "exempt"
 
 
 def reservation_model() -> type[Reservation]:

@@ -30,7 +30,7 @@ from django.db import IntegrityError, transaction
 from ..api import limiter
 from ..limits import LimitConfig
 from . import _current, _record_reservation, _send, _undo_reservation, reservations
-from .reservations import WAITING, HeldTokens, reservation_model
+from .reservations import WAITING, HeldTokens, reservation_model, took_nothing
 from .signatures import dump_signature
 
 __all__ = ["RateLimitedTask", "deferral_id"]
@@ -106,7 +106,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
             raise ValueError(f"task {self.name!r}: {exc}") from None
         if self.request.is_eager:
             status = limiter.acquire(limit.name, key, count)
-            return self._run_holding(status.failed_open or status.would_deny, limit, key, amount, args, kwargs)
+            return self._run_holding(took_nothing(status), limit, key, amount, args, kwargs)
         return self._take_or_defer(limit, key, count, amount, args, kwargs)
 
     def tokenbucket_config(self) -> LimitConfig:
@@ -148,7 +148,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
         if not status.ok:
             # max_reserved is full: come back when a reservation would fit.
             raise self.retry(countdown=status.retry_after, max_retries=sys.maxsize)
-        unspent = status.failed_open or status.would_deny
+        unspent = took_nothing(status)
         if unspent or not status.retry_after:
             return self._run_holding(unspent, limit, key, amount, args, kwargs)
         encoded = limiter.encode_for(limit, key)

@@ -29,7 +29,6 @@ from ..override_operations import (
     describe_expiry,
     describe_numbers,
     ends,
-    key_digest,
     now,
     parse_duration,
     replaced,
@@ -179,7 +178,7 @@ class OverrideCommands:
         whom = "every key" if key is None else f"key {as_typed(key)}"
         # The limit need not be configured any more: its overrides can still be removed.
         try:
-            found = replaced(name, key_digest(name, key)[0])
+            found = replaced(name, overrides.key_digest(name, key)[0])
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         if found is None:
