@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from functools import partial
 
 import pytest
-from asgiref.sync import async_to_sync
+from asgiref.sync import async_to_sync, sync_to_async
 from django.conf import settings
 from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
@@ -561,7 +561,9 @@ def test_a_forked_child_reads_the_overrides_on_the_asyncio_path_too(backend, clo
     limiter.block("login", "k")
     assert async_to_sync(limiter.acheck)("login", "k").override == "block"  # reads in that thread
     overrides.invalidate()
-    asyncio.run(overrides.arefresh_if_due())
+    asyncio.run(overrides.arefresh_if_due())  # outside async_to_sync: in sync_to_async's own thread
+    # That thread's connection, or the test database could not be dropped at the end.
+    asyncio.run(sync_to_async(connections.close_all)())
     connections.close_all()
     context = multiprocessing.get_context("fork")
     parent, child = context.Pipe()
