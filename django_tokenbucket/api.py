@@ -1103,6 +1103,12 @@ class Limiter:
                 step = steps.send(answer)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
+        finally:
+            # A plan left at a step that raised (a failed reset) runs its ``finally``
+            # now, here: left to the garbage collector it would run wherever a
+            # collection happens to start, inside get_backend's lock included (a
+            # deadlock seen in CI).
+            steps.close()
 
     async def _adrive(self, steps: Steps[T]) -> T:
         """Run a plan, answering its steps with the backends' asyncio methods."""
@@ -1130,6 +1136,12 @@ class Limiter:
                 step = steps.send(answer)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
+        finally:
+            # A plan left at a step that raised (a failed reset) runs its ``finally``
+            # now, here: left to the garbage collector it would run wherever a
+            # collection happens to start, inside get_backend's lock included (a
+            # deadlock seen in CI).
+            steps.close()
 
     def _store_failed(self, step: _Step, exc: BackendError) -> None:
         """Apply the fail mode to a failed step: return to let it through, or raise BackendUnavailable."""

@@ -37,7 +37,9 @@ __all__ = [
 ]
 
 _backends: dict[str, BaseBackend] = {}
-_lock = threading.Lock()
+# Re-entrant: a finalizer that runs during a collection inside the locked region may
+# ask for a backend in the same thread, which a plain lock would deadlock on.
+_lock = threading.RLock()
 
 
 def backend_aliases() -> list[str]:
