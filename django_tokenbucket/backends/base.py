@@ -31,6 +31,10 @@ __all__ = [
     "BaseBackend",
     "BucketPage",
     "CleanupReport",
+    "DeniedKeyCount",
+    "KEY_MINUTES_KEPT",
+    "MINUTES_KEPT",
+    "MinuteCounts",
     "Outcome",
     "Request",
     "StoredBucket",
@@ -132,6 +136,40 @@ class CleanupReport:
             "complete": self.complete,
             "dry_run": self.dry_run,
         }
+
+
+#: Denial analytics (``django_tokenbucket.analytics``) keep per-minute counts this many
+#: minutes (24 hours)...
+MINUTES_KEPT = 24 * 60
+#: ...and the denied keys of each minute this many (the last hour).
+KEY_MINUTES_KEPT = 60
+
+
+@dataclass(frozen=True)
+class MinuteCounts:
+    """Calls of limit ``name`` in one minute: how many it let through, how many it refused.
+
+    ``minute`` counts whole minutes since the epoch (UTC): ``int(time.time() // 60)``.
+    """
+
+    name: str
+    minute: int
+    allowed: int
+    denied: int
+
+
+@dataclass(frozen=True)
+class DeniedKeyCount:
+    """How many calls of one key limit ``name`` refused: in ``minute`` when written, over
+    the span asked for (``minute`` then 0) when read."""
+
+    name: str
+    digest: str
+    #: The key as the admin shows it, when the store keeps labels (``keeps_labels``) and
+    #: the key is not a secret; "" otherwise.
+    label: str
+    denied: int
+    minute: int = 0
 
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -270,7 +308,9 @@ class BaseBackend(ABC):
     - with ``keeps_rows``: ``rows_in_state()`` (the admin's changelist filter) and
       ``set_tokens()``;
     - with ``needs_cleanup``: ``cleanup()``, for stores whose full buckets do not
-      expire by themselves.
+      expire by themselves;
+    - with ``keeps_analytics``: ``write_analytics()``, ``read_minutes()``,
+      ``read_denied_keys()`` and ``trim_analytics()`` (``django_tokenbucket.analytics``).
 
     Each one a backend does not offer raises NotImplementedError.
     """
@@ -290,6 +330,9 @@ class BaseBackend(ABC):
     keeps_rows: ClassVar[bool] = False
     #: Full buckets stay stored until ``cleanup()`` deletes them.
     needs_cleanup: ClassVar[bool] = False
+    #: It stores denial analytics (``write_analytics``, ``read_minutes``,
+    #: ``read_denied_keys``, ``trim_analytics``): see ``django_tokenbucket.analytics``.
+    keeps_analytics: ClassVar[bool] = False
 
     #: The OPTIONS this backend takes; others are an error (``check_options``). None
     #: leaves them unchecked, for a backend that does not say.
@@ -385,6 +428,31 @@ class BaseBackend(ABC):
     def cleanup(self, limits: Mapping[str, LimitConfig], **options: Any) -> CleanupReport:
         """Delete stored buckets that read as fresh ones (full); see ``django_tokenbucket.cleanup``."""
         raise NotImplementedError(f"{type(self).__name__}'s keys expire by themselves; nothing to clean up")
+
+    def write_analytics(self, minutes: Sequence[MinuteCounts], keys: Sequence[DeniedKeyCount]) -> None:
+        """Add these counts to the stored ones (summing with other processes'), as one
+        write to the store: one transaction, or one pipeline.
+
+        Counts older than ``MINUTES_KEPT`` (``KEY_MINUTES_KEPT`` for keys) may be
+        dropped. Raises BackendError when the store fails.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no analytics")
+
+    def read_minutes(self, names: Sequence[str], since: int, until: int) -> list[MinuteCounts]:
+        """Return the stored counts of ``names`` for the minutes ``since`` <= m < ``until``,
+        summed over every process, ordered by name then minute; minutes with no call are left out."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no analytics")
+
+    def read_denied_keys(self, name: str, since: int, until: int, limit: int) -> list[DeniedKeyCount]:
+        """Return the ``limit`` keys of ``name`` most denied in the minutes ``since`` <= m <
+        ``until``, their counts summed over those minutes and every process, most denied
+        first (ties by digest)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no analytics")
+
+    def trim_analytics(self, now_minute: int) -> int:
+        """Delete counts older than ``MINUTES_KEPT`` (keys: ``KEY_MINUTES_KEPT``) minutes
+        before ``now_minute``; return how many records went (0 where they expire by themselves)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no analytics")
 
     @abstractmethod
     def decide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
