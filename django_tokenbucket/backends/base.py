@@ -24,7 +24,9 @@ from ..limits import LimitConfig
 
 __all__ = [
     "BUSY_WINDOW",
+    "KEY_MINUTES_KEPT",
     "MAX_BATCH_SIZE",
+    "MINUTES_KEPT",
     "UNKNOWN_IDLE",
     "Answers",
     "BackendError",
@@ -32,8 +34,6 @@ __all__ = [
     "BucketPage",
     "CleanupReport",
     "DeniedKeyCount",
-    "KEY_MINUTES_KEPT",
-    "MINUTES_KEPT",
     "MinuteCounts",
     "Outcome",
     "Request",
