@@ -15,14 +15,14 @@ from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
-from . import clock, deny_cache, metrics, overrides, registry, signals
+from . import analytics, clock, deny_cache, metrics, overrides, registry, signals
 from .algorithms import MICRO, Decision
 from .backends import get_backend
 from .backends.base import BackendError, BaseBackend, Outcome, Request
 from .exceptions import BackendUnavailable, RateLimited
 from .keys import EncodedKey, encode_key
 from .limits import LimitConfig, count_to_micro, freeze, parse_limit, to_micro
-from .logs import throttled_logger
+from .logs import denial_log, throttled_logger
 from .overrides import Override
 from .rates import parse_period, parse_rate, to_fraction
 from .settings import tokenbucket_settings
@@ -1046,10 +1046,17 @@ class Limiter:
     def _report_one(self, status: Status, all_ok: bool, limit: LimitConfig) -> None:
         """Count, log and signal one status of a call whose statuses are all ok when ``all_ok``."""
         recorder = metrics.active()
-        if recorder is not None:
+        counting = analytics.active()
+        if recorder is not None or counting is not None:
             outcome = _outcome(status, all_ok)
             if outcome is not None:
-                recorder.decision(status.name, self._store_label(limit), outcome)
+                if recorder is not None:
+                    recorder.decision(status.name, self._store_label(limit), outcome)
+                if counting is not None:
+                    self._count(counting, limit, status, outcome)
+        if not status.ok and denial_log.enabled():
+            encoded = self.encode_for(limit, status.key)
+            denial_log.denied(status.name, encoded.digest, encoded.label, status.retry_after)
         if status.ok and not status.would_deny:
             # A call denied by another of its limits consumed nothing here either:
             # there is no allowance to report (all-or-nothing).
@@ -1076,6 +1083,16 @@ class Limiter:
                 status=status,
                 shadow=status.would_deny,
             )
+
+    def _count(self, counting: analytics.Settings, limit: LimitConfig, status: Status, outcome: str) -> None:
+        """Count one applied decision for the analytics of ``limit``."""
+        backend = self.backend(limit)
+        if outcome not in _REFUSED:
+            analytics.record_allowed(counting, backend, status.name)
+            return
+        encoded = self.encode_for(limit, status.key)
+        label = encoded.label if backend.keeps_labels else ""
+        analytics.record_denied(counting, backend, status.name, encoded.digest, label)
 
     def _drive(self, steps: Steps[T]) -> T:
         """Run a plan, answering its steps with the backends' blocking methods."""
@@ -1229,6 +1246,10 @@ class Limiter:
     @staticmethod
     def _failed_open(limit: LimitConfig, key: object, count: int | float) -> Status:
         return _undecided(limit, key, float(count), failed_open=True)
+
+
+#: The outcomes that analytics count as ``denied``: this limit refused the call.
+_REFUSED = frozenset((metrics.DENIED, metrics.DENIED_CACHED, metrics.BLOCKED))
 
 
 def _outcome(status: Status, all_ok: bool) -> str | None:

@@ -134,6 +134,12 @@ E052 = Check(
     "For example TOKENBUCKET['OVERRIDES'] = {{'MAX_AGE': 5.0}}, or False to turn runtime overrides off "
     "(docs/settings.md#overrides).",
 )
+E053 = Check(
+    "E053",
+    "{error}.",
+    "For example TOKENBUCKET['ANALYTICS'] = {{'FLUSH': 10, 'TOP_KEYS': 20, 'MAX_KEYS': 1000}}, or None to turn "
+    "analytics off (docs/settings.md#analytics).",
+)
 W002 = Check("W002", "TOKENBUCKET has unknown setting(s): {names}.", "Known settings: {known}.")
 W003 = Check(
     "W003",

@@ -11,7 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.urls import get_resolver
 from django.utils.module_loading import import_string
 
-from . import catalogue, deny_cache, overrides
+from . import analytics, catalogue, deny_cache, overrides
 from .backends import backend_class
 from .decorators import declared_limits, declared_stacks
 from .ip import ip_settings_problems
@@ -111,6 +111,10 @@ def _check_operations(user: dict[str, Any]) -> list[checks.CheckMessage]:
         overrides.parse(user.get("OVERRIDES", DEFAULTS["OVERRIDES"]))
     except ValueError as exc:
         errors.append(catalogue.E052(error=exc))
+    try:
+        analytics.parse(user.get("ANALYTICS", DEFAULTS["ANALYTICS"]))
+    except ValueError as exc:
+        errors.append(catalogue.E053(error=exc))
     return errors
 
 

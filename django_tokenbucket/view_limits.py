@@ -24,6 +24,7 @@ from django.utils.functional import LazyObject, empty
 from . import registry
 from .api import LimitRequest, limiter
 from .limits import LimitConfig, freeze
+from .logs import current_request
 from .plans import plan_config
 from .request_keys import KeySpec, request_key
 from .settings import tokenbucket_settings
@@ -202,7 +203,11 @@ def decide_limits(request: HttpRequest, limits: list[ViewLimit]) -> list[tuple[V
     asked = _plan(request, limits)
     if not asked:
         return []
-    statuses = limiter.limit_many([limit_request for _, limit_request in asked])
+    seen = current_request.set(request)
+    try:
+        statuses = limiter.limit_many([limit_request for _, limit_request in asked])
+    finally:
+        current_request.reset(seen)
     return [(limit, status) for (limit, _), status in zip(asked, statuses)]
 
 
@@ -222,7 +227,11 @@ async def adecide_limits(request: HttpRequest, limits: list[ViewLimit]) -> list[
     asked = await _aplan(request, limits)
     if not asked:
         return []
-    statuses = await limiter.alimit_many([limit_request for _, limit_request in asked])
+    seen = current_request.set(request)
+    try:
+        statuses = await limiter.alimit_many([limit_request for _, limit_request in asked])
+    finally:
+        current_request.reset(seen)
     return [(limit, status) for (limit, _), status in zip(asked, statuses)]
 
 

@@ -47,7 +47,7 @@ from ..exceptions import BackendUnavailable, RateLimited
 from ..http import add_ratelimit_headers
 from ..ip import client_address, ip_key
 from ..limits import LimitConfig
-from ..logs import throttled_logger
+from ..logs import current_request, throttled_logger
 from ..rates import parse_rate
 from ..settings import tokenbucket_settings
 from ..status import Status
@@ -367,20 +367,20 @@ def _decide_for_view(
     siblings = _siblings(view, throttle, own, request)
     if siblings is None:
         # Asked outside the view's own throttles (or the view has none): this one alone.
-        return _limit_all(throttle, plan)
+        return _limit_all(request, throttle, plan)
     cache: dict[Signature, tuple[object, list[Status]]] = request.__dict__.setdefault("_tokenbucket_throttles", {})
     if siblings:
         plans = [(own, throttle.key, plan)]
         for sibling, signature in siblings:
             plans.append((signature, sibling.key, sibling.limit_requests(request, view, signature[1])))
-        results = _limit_all(throttle, [limit for _, _, limits in plans for limit in limits])
+        results = _limit_all(request, throttle, [limit for _, _, limits in plans for limit in limits])
         position = 0
         for signature, key, limits in plans:
             cache[signature] = (key, results[position : position + len(limits)])
             position += len(limits)
     else:
         # The view's only throttle of this module, as most are: nothing to share.
-        results = _limit_all(throttle, plan)
+        results = _limit_all(request, throttle, plan)
         cache[own] = (throttle.key, results)
     # For RateLimit headers added by RateLimitMiddleware.
     django_request = getattr(request, "_request", request)
@@ -388,14 +388,18 @@ def _decide_for_view(
     return cache[own][1]
 
 
-def _limit_all(throttle: SimpleRateThrottle, limits: list[LimitRequest]) -> list[Status]:
+def _limit_all(request: DRFRequest, throttle: SimpleRateThrottle, limits: list[LimitRequest]) -> list[Status]:
     """``limit_many(limits)`` as a list, at the throttle's ``timer()`` if it was replaced."""
     if not limits:
         return []
-    if throttle.timer is time.time or throttle.now is None:
-        return list(limiter.limit_many(limits))
-    with clock.pinned(round(throttle.now * MICRO)):
-        return list(limiter.limit_many(limits))
+    seen = current_request.set(request)
+    try:
+        if throttle.timer is time.time or throttle.now is None:
+            return list(limiter.limit_many(limits))
+        with clock.pinned(round(throttle.now * MICRO)):
+            return list(limiter.limit_many(limits))
+    finally:
+        current_request.reset(seen)
 
 
 @lru_cache(maxsize=1024)

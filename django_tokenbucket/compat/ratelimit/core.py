@@ -35,6 +35,7 @@ from ...exceptions import BackendUnavailable
 from ...ip import client_address, parse_ip
 from ...keys import Redacted, encode_key
 from ...limits import LimitConfig
+from ...logs import current_request
 from ...request_keys import normalize_identity, posted_field
 from ...settings import tokenbucket_settings
 from ...status import Status
@@ -279,10 +280,13 @@ def _decide(
     name = f"{group}:{limit}/{period}s{_methods_suffix(method)}"
     config = {"kind": "fixed window", "rate": limit, "period": period}
     fail_open = getattr(settings, "RATELIMIT_FAIL_OPEN", tokenbucket_settings.FAIL_OPEN)
+    seen = current_request.set(request)
     try:
         status = (store.limit if increment else store.check)(name, value, config=config)
     except BackendUnavailable:
         status = None
+    finally:
+        current_request.reset(seen)
     if status is None or status.failed_open:
         if fail_open:
             return None
