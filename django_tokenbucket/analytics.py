@@ -378,9 +378,17 @@ def _check_span(name: str, since: object, most: int) -> None:
 
 
 def _backend_of(name: str) -> BaseBackend:
-    from .api import limiter  # the API decides through this module: import it when asked
+    # Imported when asked: the API counts through this module.
+    from .api import limiter
+    from .registry import interpret
 
-    return limiter.backend(limiter.resolve(name))
+    known = interpret(name, as_rows=False)
+    if known is None:
+        raise ValueError(f"unknown rate limit {name!r}: no analytics to read (pass backend= for a limit of config=)")
+    backend = limiter.backend(known.config)
+    if not backend.keeps_analytics:
+        raise ValueError(f"rate limit {name!r}: its store ({backend.setting}) keeps no analytics")
+    return backend
 
 
 def _after_fork_in_child() -> None:

@@ -1,5 +1,6 @@
 """``manage.py tokenbucket list|show|reset|cleanup``: inspect and maintain rate limits;
-``override|exempt|block|unblock|overrides``: runtime overrides (``management/overrides.py``).
+``override|exempt|block|unblock|overrides``: runtime overrides (``management/overrides.py``);
+``top|stats``: who is being limited, from the analytics (``management/analytics.py``).
 
 Keys on the command line are strings: ``tokenbucket show login alice`` is the bucket of
 ``limiter.limit("login", key="alice")``; an int or a UUID key is the bucket of its text
@@ -50,6 +51,8 @@ from ...live import FULL, LIMITED, PARTIAL, LiveState, live_state
 from ...registry import CALL_SITES, KnownLimit, interpret, known_limits, plan_bases
 from ...request_keys import key_from_text
 from ...text import describe_rate, format_duration, format_tokens
+from ..analytics import SUBCOMMANDS as ANALYTICS_SUBCOMMANDS
+from ..analytics import AnalyticsCommands, add_analytics_parsers
 from ..overrides import SUBCOMMANDS, OverrideCommands, add_override_parsers
 
 _JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"
@@ -67,7 +70,7 @@ def _from_json(value: Any) -> Any:
     return value
 
 
-class Command(OverrideCommands, BaseCommand):
+class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
     help = "List, inspect, reset and clean up rate limits, and override them (see docs/operations.md)."
 
     def add_arguments(self, parser: ArgumentParser) -> None:
@@ -86,7 +89,7 @@ class Command(OverrideCommands, BaseCommand):
         # Accepted after the subcommand, where people type it.
         common = ArgumentParser(add_help=False, parents=[django_options])
         common.add_argument("--database", help="Database alias of the RateLimit table (default: the backend's).")
-        names = ",".join(("list", "show", "reset", "cleanup", *SUBCOMMANDS))
+        names = ",".join(("list", "show", "reset", "cleanup", *SUBCOMMANDS, *ANALYTICS_SUBCOMMANDS))
         sub = parser.add_subparsers(dest="subcommand", required=True, metavar=f"{{{names}}}")
 
         listing = sub.add_parser(
@@ -149,6 +152,7 @@ class Command(OverrideCommands, BaseCommand):
         clean.add_argument("--json", action="store_true", dest="as_json", help="Print the report as JSON.")
         # Overrides live in the overrides' database, whatever backend decides: no --database.
         add_override_parsers(sub, django_options)
+        add_analytics_parsers(sub, django_options)
 
     def handle(self, *args: Any, **options: Any) -> None:
         database = options.get("database")
