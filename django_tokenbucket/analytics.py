@@ -57,6 +57,7 @@ __all__ = [
     "active",
     "current_minute",
     "denied_keys",
+    "discard",
     "flush",
     "minutes",
     "parse",
@@ -273,6 +274,14 @@ def flush() -> int:
                 continue
             written += 1
         return written
+
+
+def discard() -> None:
+    """Forget what this process counted and has not written (tests; a store that is gone)."""
+    with _lock:
+        _minutes.clear()
+        _keys.clear()
+        _names.clear()
 
 
 def _restore(

@@ -144,6 +144,17 @@ def _forget_denials():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _discard_analytics():
+    """Start each test with no unflushed analytics counts: they would be written to the
+    store of a test that has ended (its Redis keys deleted, its transaction rolled back)."""
+    from django_tokenbucket import analytics  # after Django is set up: it imports settings
+
+    analytics.discard()
+    yield
+    analytics.discard()
+
+
 @pytest.fixture
 def without_deny_cache(monkeypatch):
     """Every call goes to the store, as in a process that has not seen the key denied

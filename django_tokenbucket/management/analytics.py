@@ -103,9 +103,9 @@ class AnalyticsCommands:
         self.stdout.write(f"{name}: the most denied keys of the last {minutes} min (all processes, flushed counts)")
         width = max(len(f"{key.denied:,}") for key in keys)
         for rank, key in enumerate(keys, 1):
-            # A label is what a client sent (an address, a user id): repr() shows control
-            # characters escaped instead of letting them move the terminal's cursor.
-            shown = repr(key.label) if key.label else "-"
+            # A label is what a client sent (an address, a user id), stored with what is
+            # not printable escaped; repr() again for a row that did not come from here.
+            shown = (key.label if key.label.isprintable() else repr(key.label)) or "-"
             self.stdout.write(f"{rank:>3}. {key.denied:>{width},} denied  {key.digest[:16]}  {shown}")
 
     def handle_stats(self, *, name: str | None, since: str, every: str, as_json: bool, **options: Any) -> None:
