@@ -41,8 +41,10 @@ from django.core.signals import setting_changed
 from django.db import connections
 from django.dispatch import receiver
 
+from .backends import get_backend
 from .backends.base import KEY_MINUTES_KEPT, MINUTES_KEPT, BackendError, BaseBackend, DeniedKeyCount, MinuteCounts
 from .logs import throttled_logger
+from .registry import interpret
 from .settings import tokenbucket_settings
 
 __all__ = [
@@ -387,14 +389,10 @@ def _check_span(name: str, since: object, most: int) -> None:
 
 
 def _backend_of(name: str) -> BaseBackend:
-    # Imported when asked: the API counts through this module.
-    from .api import limiter
-    from .registry import interpret
-
     known = interpret(name, as_rows=False)
     if known is None:
         raise ValueError(f"unknown rate limit {name!r}: no analytics to read (pass backend= for a limit of config=)")
-    backend = limiter.backend(known.config)
+    backend = get_backend(known.config.backend)
     if not backend.keeps_analytics:
         raise ValueError(f"rate limit {name!r}: its store ({backend.setting}) keeps no analytics")
     return backend

@@ -1087,6 +1087,8 @@ class Limiter:
     def _count(self, counting: analytics.Settings, limit: LimitConfig, status: Status, outcome: str) -> None:
         """Count one applied decision for the analytics of ``limit``."""
         backend = self.backend(limit)
+        if not backend.keeps_analytics:
+            return
         if outcome not in _REFUSED:
             analytics.record_allowed(counting, backend, status.name)
             return
