@@ -18,7 +18,7 @@ Memory is bounded whatever an attacker sends: at most ``MAX_KEYS`` distinct deni
 are counted per limit and minute (past that, the less denied half is dropped, so a key
 denied often keeps its count while a rotation of one-off keys is forgotten), and only
 ``TOP_KEYS`` of them per limit and minute are written. Counts that a failing store could
-not take are kept for the next flush, for as long as the store would keep them.
+not take are kept for the next flush, those of the last ``UNWRITTEN_MINUTES`` (an hour).
 
 ``flush()`` writes this process' counts now (tests, a worker's shutdown); ``minutes()``
 and ``denied_keys()`` read what every process wrote, for the admin and the command.
@@ -77,6 +77,8 @@ _KNOWN = {"FLUSH", "TOP_KEYS", "MAX_KEYS"}
 #: More limit names than this counted between two flushes and the rest are not: inline
 #: limits may have names made at run time.
 MAX_NAMES = 1000
+#: Minutes of counts a failing store leaves in memory for the next flush; older ones go.
+UNWRITTEN_MINUTES = KEY_MINUTES_KEPT
 
 
 @dataclass(frozen=True)
@@ -239,8 +241,8 @@ def pending() -> dict[str, dict[str, int]]:
 def flush() -> int:
     """Write this process' counts to their stores now; return how many stores were written.
 
-    Counts a store failed to take are kept for the next flush (while it would still keep
-    them) and the failure is logged, at most once per ``LOG_INTERVAL``.
+    Counts a store failed to take are kept for the next flush (those of the last
+    ``UNWRITTEN_MINUTES``) and the failure is logged, at most once per ``LOG_INTERVAL``.
     """
     settings = active()
     top_keys = settings.top_keys if settings is not None else DEFAULT_TOP_KEYS
@@ -272,7 +274,7 @@ def flush() -> int:
                     backend.setting,
                     exc,
                 )
-                _restore(backend, rows, keys, max_keys)
+                _restore(backend, minute_counts, key_counts, max_keys)
                 continue
             written += 1
         return written
@@ -286,24 +288,24 @@ def discard() -> None:
         _names.clear()
 
 
-def _restore(
-    backend: BaseBackend, rows: dict[tuple[str, int], list[int]], keys: dict[tuple[str, int], _Keys], max_keys: int
-) -> None:
-    """Put back counts a store did not take, but none it would no longer keep."""
-    oldest, oldest_keys = current_minute() - MINUTES_KEPT, current_minute() - KEY_MINUTES_KEPT
+def _restore(backend: BaseBackend, minutes: list[MinuteCounts], keys: list[DeniedKeyCount], max_keys: int) -> None:
+    """Put back what a store did not take: the counts of the last ``UNWRITTEN_MINUTES``
+    minutes (older ones are dropped, so a store down for hours costs bounded memory), and
+    of the keys only those the flush would have written."""
+    oldest = current_minute() - UNWRITTEN_MINUTES
     with _lock:
         per_minute = _minutes.setdefault(backend, {})
-        for row, (allowed, denied) in rows.items():
-            if row[1] > oldest:
-                counts = per_minute.setdefault(row, [0, 0])
-                counts[0] += allowed
-                counts[1] += denied
+        for row in minutes:
+            if row.minute > oldest:
+                counts = per_minute.setdefault((row.name, row.minute), [0, 0])
+                counts[0] += row.allowed
+                counts[1] += row.denied
         per_minute_keys = _keys.setdefault(backend, {})
-        for row, counted in keys.items():
-            if row[1] > oldest_keys:
-                target = per_minute_keys.setdefault(row, _Keys())
-                for digest, (count, label) in counted.counts.items():
-                    target.add(digest, label, count, max_keys)
+        for key in keys:
+            if key.minute > oldest:
+                per_minute_keys.setdefault((key.name, key.minute), _Keys()).add(
+                    key.digest, key.label, key.denied, max_keys
+                )
 
 
 def _ensure_flusher(settings: Settings) -> None:
