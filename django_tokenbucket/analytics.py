@@ -32,7 +32,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +44,7 @@ from .backends import get_backend
 from .backends.base import KEY_MINUTES_KEPT, MINUTES_KEPT, BackendError, BaseBackend, DeniedKeyCount, MinuteCounts
 from .logs import throttled_logger
 from .registry import interpret
-from .settings import tokenbucket_settings
+from .settings import feature_options, tokenbucket_settings
 
 __all__ = [
     "DEFAULT_FLUSH",
@@ -73,7 +72,6 @@ logger = logging.getLogger("django_tokenbucket")
 DEFAULT_FLUSH = 10.0
 DEFAULT_TOP_KEYS = 20
 DEFAULT_MAX_KEYS = 1000
-_KNOWN = {"FLUSH", "TOP_KEYS", "MAX_KEYS"}
 #: More limit names than this counted between two flushes and the rest are not: inline
 #: limits may have names made at run time.
 MAX_NAMES = 1000
@@ -95,19 +93,10 @@ class Settings:
 
 def parse(value: object) -> Settings | None:
     """Return the ``ANALYTICS`` setting validated (None: off); ValueError says what is wrong."""
-    if value is None or value is False:
+    defaults = {"FLUSH": DEFAULT_FLUSH, "TOP_KEYS": DEFAULT_TOP_KEYS, "MAX_KEYS": DEFAULT_MAX_KEYS}
+    value = feature_options("ANALYTICS", value, defaults, off="None")
+    if value is None:
         return None
-    if value is True:
-        value = {}
-    if not isinstance(value, Mapping):
-        raise ValueError(
-            f"TOKENBUCKET['ANALYTICS'] must be None or a dict such as {{'FLUSH': {DEFAULT_FLUSH:g}}}, not {value!r}"
-        )
-    unknown = sorted(map(repr, set(value) - _KNOWN))
-    if unknown:
-        raise ValueError(
-            f"TOKENBUCKET['ANALYTICS'] has unknown key(s) {', '.join(unknown)}: it takes FLUSH, TOP_KEYS and MAX_KEYS"
-        )
     flush_every = value.get("FLUSH", DEFAULT_FLUSH)
     if isinstance(flush_every, bool) or not isinstance(flush_every, (int, float)) or not 0.1 <= flush_every <= 3600:
         raise ValueError(
@@ -183,8 +172,8 @@ _wake = threading.Event()
 _flush_lock = threading.Lock()
 
 
-def _counts(backend: BaseBackend, name: str) -> list[int] | None:
-    """The [allowed, denied] of ``name`` this minute; None past ``MAX_NAMES`` (caller holds the lock)."""
+def _counts(backend: BaseBackend, name: str, minute: int) -> list[int] | None:
+    """The [allowed, denied] of ``name`` in ``minute``; None past ``MAX_NAMES`` (caller holds the lock)."""
     if name not in _names:
         if len(_names) >= MAX_NAMES:
             return None
@@ -192,17 +181,16 @@ def _counts(backend: BaseBackend, name: str) -> list[int] | None:
     per_minute = _minutes.get(backend)
     if per_minute is None:
         per_minute = _minutes[backend] = {}
-    row = (name, current_minute())
-    counts = per_minute.get(row)
+    counts = per_minute.get((name, minute))
     if counts is None:
-        counts = per_minute[row] = [0, 0]
+        counts = per_minute[name, minute] = [0, 0]
     return counts
 
 
 def record_allowed(settings: Settings, backend: BaseBackend, name: str) -> None:
     """Count a call that limit ``name`` (stored on ``backend``) let through."""
     with _lock:
-        counts = _counts(backend, name)
+        counts = _counts(backend, name, current_minute())
         if counts is not None:
             counts[0] += 1
     _ensure_flusher(settings)
@@ -210,18 +198,13 @@ def record_allowed(settings: Settings, backend: BaseBackend, name: str) -> None:
 
 def record_denied(settings: Settings, backend: BaseBackend, name: str, digest: str, label: str) -> None:
     """Count a call of key ``digest`` that limit ``name`` refused (``label``: "" unless the store keeps labels)."""
+    minute = current_minute()
     with _lock:
-        counts = _counts(backend, name)
+        counts = _counts(backend, name, minute)
         if counts is not None:
             counts[1] += 1
             if settings.top_keys:
-                per_minute = _keys.get(backend)
-                if per_minute is None:
-                    per_minute = _keys[backend] = {}
-                row = (name, current_minute())
-                keys = per_minute.get(row)
-                if keys is None:
-                    keys = per_minute[row] = _Keys()
+                keys = _keys.setdefault(backend, {}).setdefault((name, minute), _Keys())
                 keys.add(digest, label, 1, settings.max_keys)
     _ensure_flusher(settings)
 

@@ -26,7 +26,6 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +37,7 @@ from . import clock
 from .algorithms import MICRO, Decision
 from .backends.base import Outcome
 from .limits import LimitConfig
-from .settings import tokenbucket_settings
+from .settings import feature_options, tokenbucket_settings
 
 __all__ = [
     "DEFAULT_MAX_AGE",
@@ -60,7 +59,6 @@ __all__ = [
 
 DEFAULT_MAX_AGE = 1.0
 DEFAULT_MAX_KEYS = 100_000
-_KNOWN = {"MAX_AGE", "MAX_KEYS"}
 
 
 @dataclass(frozen=True)
@@ -74,20 +72,9 @@ class Settings:
 
 def parse(value: object) -> Settings | None:
     """Return the ``DENY_CACHE`` setting validated (None: off); ValueError says what is wrong."""
-    if value is False or value is None:
+    value = feature_options("DENY_CACHE", value, {"MAX_AGE": DEFAULT_MAX_AGE, "MAX_KEYS": DEFAULT_MAX_KEYS})
+    if value is None:
         return None
-    if value is True:
-        value = {}
-    if not isinstance(value, Mapping):
-        raise ValueError(
-            f"TOKENBUCKET['DENY_CACHE'] must be False or a dict such as "
-            f"{{'MAX_AGE': {DEFAULT_MAX_AGE}, 'MAX_KEYS': {DEFAULT_MAX_KEYS}}}, not {value!r}"
-        )
-    unknown = sorted(map(repr, set(value) - _KNOWN))
-    if unknown:
-        raise ValueError(
-            f"TOKENBUCKET['DENY_CACHE'] has unknown key(s) {', '.join(unknown)}: it takes MAX_AGE and MAX_KEYS"
-        )
     max_age = value.get("MAX_AGE", DEFAULT_MAX_AGE)
     if isinstance(max_age, bool) or not isinstance(max_age, (int, float)) or not 0 < max_age <= 3600:
         raise ValueError(

@@ -56,7 +56,7 @@ from .keys import Redacted, encode_key, is_request_data_key
 from .limits import LimitConfig, parse_limit
 from .logs import throttled_logger
 from .request_keys import normalize_identity
-from .settings import tokenbucket_settings
+from .settings import feature_options, tokenbucket_settings
 
 if TYPE_CHECKING:
     from .models import LimitOverride, OverridesVersion
@@ -93,7 +93,6 @@ EXEMPT = "exempt"
 BLOCK = "block"
 ACTIONS = (LIMIT, EXEMPT, BLOCK)
 DEFAULT_MAX_AGE = 5.0
-_KNOWN = {"MAX_AGE"}
 #: The fields of a ``limit`` override, as LimitConfig and the model name them.
 NUMBERS = ("rate", "period", "capacity", "max_reserved")
 
@@ -108,17 +107,9 @@ class Settings:
 
 def parse(value: object) -> Settings | None:
     """Return the ``OVERRIDES`` setting validated (None: off); ValueError says what is wrong."""
-    if value is False or value is None:
+    value = feature_options("OVERRIDES", value, {"MAX_AGE": DEFAULT_MAX_AGE})
+    if value is None:
         return None
-    if value is True:
-        value = {}
-    if not isinstance(value, Mapping):
-        raise ValueError(
-            f"TOKENBUCKET['OVERRIDES'] must be False or a dict such as {{'MAX_AGE': {DEFAULT_MAX_AGE}}}, not {value!r}"
-        )
-    unknown = sorted(map(repr, set(value) - _KNOWN))
-    if unknown:
-        raise ValueError(f"TOKENBUCKET['OVERRIDES'] has unknown key(s) {', '.join(unknown)}: it takes MAX_AGE")
     max_age = value.get("MAX_AGE", DEFAULT_MAX_AGE)
     if isinstance(max_age, bool) or not isinstance(max_age, (int, float)) or not 0 < max_age <= 3600:
         raise ValueError(

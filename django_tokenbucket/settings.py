@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from django.conf import settings
@@ -126,6 +127,30 @@ class TokenBucketSettings:
 
 class OptionsNotADict(ImproperlyConfigured):
     """A backend's ``OPTIONS`` is not a dict (check E010; any other malformed BACKENDS is E018)."""
+
+
+def feature_options(
+    setting: str, value: object, known: Mapping[str, object], off: str = "False"
+) -> Mapping[str, Any] | None:
+    """Return ``TOKENBUCKET[setting]``, a feature's dict of options, checked for its keys.
+
+    None (the feature is off) for ``None`` or ``False``; ``True`` is the defaults (``{}``).
+    ``known`` maps each option to its default, shown in the message; ValueError says what
+    is wrong. Each option's value is the feature's to check.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, Mapping):
+        example = ", ".join(f"{name!r}: {default!r}" for name, default in known.items())
+        raise ValueError(f"TOKENBUCKET[{setting!r}] must be {off} or a dict such as {{{example}}}, not {value!r}")
+    unknown = sorted(map(repr, set(value) - set(known)))
+    if unknown:
+        names = sorted(known)
+        takes = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        raise ValueError(f"TOKENBUCKET[{setting!r}] has unknown key(s) {', '.join(unknown)}: it takes {takes}")
+    return value
 
 
 def parse_backends(user: dict[str, Any]) -> dict[str, BackendSettings]:
