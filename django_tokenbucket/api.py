@@ -405,7 +405,7 @@ class Limiter:
         """
         limit = self.resolve(name)
         numbers = _override_numbers(limit, rate, period, capacity, max_reserved)
-        return self._save_override(limit, key, overrides.LIMIT, numbers, until, reason, created_by)
+        return self._save_override(limit.name, key, overrides.LIMIT, numbers, until, reason, created_by)
 
     def exempt(
         self,
@@ -420,8 +420,7 @@ class Limiter:
 
         An exempt call takes no tokens and its status says ``override="exempt"``.
         """
-        limit = self.resolve(name)
-        return self._save_override(limit, key, overrides.EXEMPT, {}, until, reason, created_by)
+        return self._save_override(self._override_name(name), key, overrides.EXEMPT, {}, until, reason, created_by)
 
     def block(
         self,
@@ -437,8 +436,7 @@ class Limiter:
         A blocked call takes no tokens; its ``retry_after`` is the time until the block
         ends (None when it never does).
         """
-        limit = self.resolve(name)
-        return self._save_override(limit, key, overrides.BLOCK, {}, until, reason, created_by)
+        return self._save_override(self._override_name(name), key, overrides.BLOCK, {}, until, reason, created_by)
 
     def clear_override(self, name: str, key: object = None) -> int:
         """Remove the override of limit ``name`` for ``key`` (None: the one of every key).
@@ -511,9 +509,22 @@ class Limiter:
         """``overrides()`` for async code."""
         return await sync_to_async(self.overrides)(name)
 
+    def _override_name(self, name: str) -> str:
+        """The name an exemption or a block is saved under: a limit's, or that of a view's
+        ``@ratelimit(rate=callable)``, whose override reaches the bucket of every plan.
+
+        ImproperlyConfigured when it is neither.
+        """
+        try:
+            return self.resolve(name).name
+        except ImproperlyConfigured:
+            if isinstance(name, str) and name in registry.plan_bases():
+                return name
+            raise
+
     def _save_override(
         self,
-        limit: LimitConfig,
+        name: str,
         key: object,
         action: str,
         numbers: dict[str, int | None],
@@ -521,9 +532,9 @@ class Limiter:
         reason: str,
         created_by: str,
     ) -> LimitOverride:
-        digest, label = overrides.key_digest(limit.name, key)
+        digest, label = overrides.key_digest(name, key)
         return overrides.save_checked(
-            limit, digest, label, action, numbers, until=until, reason=reason, created_by=created_by
+            name, digest, label, action, numbers, until=until, reason=reason, created_by=created_by
         )
 
     # -- internals -------------------------------------------------------------------

@@ -50,6 +50,7 @@ __all__ = [
     "clear",
     "forget",
     "forget_limit",
+    "forget_plans",
     "lookup",
     "now",
     "parse",
@@ -270,6 +271,18 @@ def forget_limit(name: str) -> None:
     with _lock:
         _epoch += 1
         for row in [row for row in _entries if row[0] == name]:
+            del _entries[row]
+
+
+def forget_plans(base: str, digest: str | None = None) -> None:
+    """Forget key ``digest`` (None: every key) of every plan's bucket of the
+    ``@ratelimit(rate=callable)`` named ``base`` (``base[plan …]``), which an override
+    of ``base`` reaches. Walks every entry: for override changes, not for each decision."""
+    global _epoch
+    prefix = f"{base}[plan "
+    with _lock:
+        _epoch += 1
+        for row in [row for row in _entries if row[0].startswith(prefix) and digest in (None, row[1])]:
             del _entries[row]
 
 

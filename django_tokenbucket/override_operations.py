@@ -286,9 +286,9 @@ def save_digest(
     (checked there); ImproperlyConfigured when the limit is unknown or overrides are
     off, ValueError naming the limit for an ``until`` not in the future.
     """
-    limit = limiter.resolve(name)
+    limiter.resolve(name)  # an unknown limit is an error, not a row nobody reads
     return overrides.save_checked(
-        limit, digest, label, action, numbers or {}, until=until, reason=reason, created_by=created_by[:150]
+        name, digest, label, action, numbers or {}, until=until, reason=reason, created_by=created_by[:150]
     )
 
 

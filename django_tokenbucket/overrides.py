@@ -55,6 +55,7 @@ from .algorithms import MICRO
 from .keys import Redacted, encode_key, is_request_data_key
 from .limits import LimitConfig, parse_limit
 from .logs import throttled_logger
+from .plans import plan_base
 from .request_keys import normalize_identity
 from .settings import feature_options, tokenbucket_settings
 
@@ -230,10 +231,23 @@ def lookup(name: str, digest: str) -> Override | None:
     A key's own override wins over one of every key of its limit. No I/O: the caller's
     driver refreshed the snapshot (``refresh_if_due``).
     """
-    snapshot = _snapshot
-    if name not in snapshot.names:
-        return None
-    return _found(snapshot, name, digest)
+    return _in_force(_snapshot, name, digest)
+
+
+def _in_force(snapshot: _Snapshot, name: str, digest: str) -> Override | None:
+    """The override of ``name`` for ``digest`` in ``snapshot``; for a plan's bucket of
+    ``@ratelimit(rate=callable)`` (``base[plan …]``), its own, else its base's."""
+    if name in snapshot.names:
+        found = _found(snapshot, name, digest)
+        if found is not None:
+            return found
+    if snapshot.names and name.endswith("]"):
+        # An override of the view's name reaches every plan's bucket: a key blocked there
+        # stays blocked when its plan changes.
+        base = plan_base(name)
+        if base is not None and base in snapshot.names:
+            return _found(snapshot, base, digest)
+    return None
 
 
 def _found(snapshot: _Snapshot, name: str, digest: str) -> Override | None:
@@ -255,10 +269,7 @@ def current(name: str, digest: str) -> Override | None:
         _settle()
     if time.monotonic() >= _due:
         _refresh()
-    snapshot = _snapshot
-    if name not in snapshot.names:
-        return None
-    return _found(snapshot, name, digest)
+    return _in_force(_snapshot, name, digest)
 
 
 def refresh_if_due() -> None:
@@ -381,9 +392,11 @@ def _install(stamp: int, found: list[Override]) -> None:
     for row in old.keyed.keys() | keyed.keys():
         if old.keyed.get(row) != keyed.get(row):
             deny_cache.forget(*row)
+            deny_cache.forget_plans(*row)
     for name in old.every_key.keys() | every_key.keys():
         if old.every_key.get(name) != every_key.get(name):
             deny_cache.forget_limit(name)
+            deny_cache.forget_plans(name)
     names = frozenset(name for name, _ in keyed) | frozenset(every_key)
     _snapshot = _Snapshot(stamp, keyed, every_key, names)
 
@@ -454,7 +467,7 @@ def check_admits(limit: LimitConfig, numbers: Mapping[str, int | None]) -> None:
 
 
 def save_checked(
-    limit: LimitConfig,
+    name: str,
     digest: str,
     label: str,
     action: str,
@@ -469,16 +482,16 @@ def save_checked(
     are checked by the caller (``check_admits``)."""
     if active() is None:
         raise ImproperlyConfigured(
-            f"rate limit {limit.name!r}: overrides are off (TOKENBUCKET['OVERRIDES'] is False), so this one "
+            f"rate limit {name!r}: overrides are off (TOKENBUCKET['OVERRIDES'] is False), so this one "
             f"would never apply; set OVERRIDES to {{'MAX_AGE': {DEFAULT_MAX_AGE}}} to use them"
         )
     for what, text in (("reason", reason), ("created_by", created_by)):
         if not isinstance(text, str):
-            raise ValueError(f"rate limit {limit.name!r}: {what} must be a str, not {text!r}")
+            raise ValueError(f"rate limit {name!r}: {what} must be a str, not {text!r}")
     if len(created_by) > 150:
-        raise ValueError(f"rate limit {limit.name!r}: created_by must be at most 150 characters (a username)")
-    fields = {"expires_at": expiry(limit.name, until), "reason": reason, "created_by": created_by}
-    return save(limit.name, digest, label, action, dict.fromkeys(NUMBERS) | dict(numbers), fields)
+        raise ValueError(f"rate limit {name!r}: created_by must be at most 150 characters (a username)")
+    fields = {"expires_at": expiry(name, until), "reason": reason, "created_by": created_by}
+    return save(name, digest, label, action, dict.fromkeys(NUMBERS) | dict(numbers), fields)
 
 
 def save(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
+from functools import lru_cache
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -84,6 +85,13 @@ def plan_config(base: str, spec: Any) -> LimitConfig:
 def is_plan_name(name: str) -> bool:
     """Whether ``name`` is spelled as a plan's bucket (it may still not parse)."""
     return name.endswith("]") and _PLAN.fullmatch(name) is not None
+
+
+@lru_cache(maxsize=1024)
+def plan_base(name: str) -> str | None:
+    """Return the name of the ``@ratelimit(rate=callable)`` whose plan bucket ``name`` is, or None."""
+    match = _PLAN.fullmatch(name) if name.endswith("]") else None
+    return None if match is None else match["base"]
 
 
 def plan_limit(name: str) -> LimitConfig | None:
