@@ -167,8 +167,10 @@ _lock = threading.Lock()
 _minutes: dict[BaseBackend, dict[tuple[str, int], list[int]]] = {}
 _keys: dict[BaseBackend, dict[tuple[str, int], _Keys]] = {}
 _names: set[str] = set()
+#: The flusher thread, and the event that stops it (each thread has its own: a stopped
+#: one's must not cut short its successor's first wait).
 _flusher: threading.Thread | None = None
-_wake = threading.Event()
+_stop = threading.Event()
 _flush_lock = threading.Lock()
 
 
@@ -292,26 +294,22 @@ def _restore(backend: BaseBackend, minutes: list[MinuteCounts], keys: list[Denie
 
 
 def _ensure_flusher(settings: Settings) -> None:
-    global _flusher
+    global _flusher, _stop
     if _flusher is not None:
         return
     with _lock:
         if _flusher is not None:
             return
+        _stop = threading.Event()
         _flusher = threading.Thread(
-            target=_flush_every, args=(settings.flush,), name="tokenbucket-analytics", daemon=True
+            target=_flush_every, args=(settings.flush, _stop), name="tokenbucket-analytics", daemon=True
         )
         _flusher.start()
 
 
-def _flush_every(seconds: float) -> None:
-    """The flusher thread: write every ``seconds``, and close the connections it opened."""
-    me = threading.current_thread()
-    while _flusher is me:
-        _wake.wait(seconds)
-        _wake.clear()
-        if _flusher is not me:
-            return
+def _flush_every(seconds: float, stop: threading.Event) -> None:
+    """The flusher thread: write every ``seconds`` until ``stop`` is set, and close the connections it opened."""
+    while not stop.wait(seconds):
         try:
             flush()
         except Exception:  # a flusher that dies would silently stop all analytics
@@ -323,10 +321,10 @@ def _flush_every(seconds: float) -> None:
 
 
 def _stop_flusher() -> None:
-    """Stop the flusher thread (it exits at its next wake-up); a later count starts a new one."""
+    """Stop the flusher thread (at once, if it is waiting); a later count starts a new one."""
     global _flusher
     _flusher = None
-    _wake.set()
+    _stop.set()
 
 
 def _flush_at_exit() -> None:
@@ -391,7 +389,6 @@ def _after_fork_in_child() -> None:
     _minutes, _keys = {}, {}
     _names.clear()
     _flusher = None
-    _wake.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -399,7 +399,7 @@ def test_a_rotation_of_keys_gives_one_line_per_log_interval(backend, info):
 
 def test_the_line_names_the_path_escaped(backend, info):
     with override_settings(TOKENBUCKET=_settings(**_current_store(), LOG_INTERVAL=0)):
-        hostile = "/inline-ip/\nCRITICAL forged line"
+        hostile = "/inline-ip/%0ACRITICAL%20forged%20line"  # the request's path decodes %0A
         statuses = [views.inline_ip(RequestFactory().get(hostile, REMOTE_ADDR="192.0.2.9")).status_code for _ in range(3)]
         assert statuses == [200, 200, 429]
         (line,) = _started(info)
