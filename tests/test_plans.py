@@ -190,6 +190,30 @@ def test_the_name_given_is_the_prefix_and_block_false_still_applies(backend, clo
     assert plan_value("search", "2/60s") == 0
 
 
+def test_a_block_or_an_exemption_of_the_views_name_reaches_every_plan(backend, clock):
+    base = BASES["sync"]
+    assert codes(sync_view, "free", 3) == [200, 200, 429]  # denied: remembered in memory
+    limiter.exempt(base, ADDRESS)
+    assert codes(sync_view, "free", 3) == [200] * 3  # the remembered denial was forgotten
+    limiter.block(base, ADDRESS)
+    assert codes(sync_view, "pro", 2) == [429, 429]  # a new plan is no way out
+    assert plan_value(base, "5/60s") == 5  # a block spends nothing
+    # A plan bucket's own override wins over the view's.
+    limiter.exempt(f"{base}[plan 5/60s]", ADDRESS)
+    assert codes(sync_view, "pro", 2) == [200, 200] and codes(sync_view, "free", 1) == [429]
+    assert limiter.clear_override(base, ADDRESS) == 1
+    assert codes(sync_view, "free", 1) == [429]  # free's bucket is as the exemption left it
+    clock.advance(30)
+    assert codes(sync_view, "free", 2) == [200, 429]
+
+
+def test_other_numbers_for_a_views_name_need_a_plans_bucket(clock):
+    with pytest.raises(ImproperlyConfigured, match="unknown rate limit 'tests.test_plans.sync_view'"):
+        limiter.override(BASES["sync"], ADDRESS, rate="100/m")
+    with pytest.raises(ImproperlyConfigured, match="unknown rate limit 'tests.test_plans.nope'"):
+        limiter.block("tests.test_plans.nope", ADDRESS)
+
+
 def test_key_none_exempts_before_the_plan_is_asked(backend, clock):
     asked = []
 
