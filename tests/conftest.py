@@ -46,7 +46,88 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+#: Modules whose tests, those that cannot reach a database (no ``django_db`` mark, no
+#: database fixture: pytest-django refuses them any query), depend on no database: the
+#: pure algorithms, parsers and key encoding, and the Redis backend's own suites. A
+#: module that looks at which database runs (``settings.DB``, ``connection.vendor``,
+#: its settings), such as test_checks.py, is not here.
+DB_INDEPENDENT_MODULES = frozenset(
+    {
+        "test_algorithms",
+        "test_breaker",
+        "test_catalogue",
+        "test_config",
+        "test_fast_path",
+        "test_ip",
+        "test_keys",
+        "test_override_operations",
+        "test_ports",
+        "test_properties",
+        "test_rates",
+        "test_redis",
+        "test_redis_asyncio",
+        "test_redis_deadline",
+        "test_shards",
+    }
+)
+
+#: Modules whose cases run on both stores (a ``backend``, ``store`` or ``async_backend``
+#: parameter): their Redis cases depend on no database (in test_concurrency.py and
+#: test_faults.py: processes on Redis, or Redis behind the fault proxy). What the
+#: database does for them, the overrides' one-row version read (and, in
+#: test_overrides*.py, the override rows written through ``limiter.override``), is the
+#: same ORM code the database cases of the same test run on every database. Not here:
+#: the modules of the admin, the commands and operations (test_admin.py,
+#: test_overrides_admin.py, test_command.py, test_overrides_command.py,
+#: test_operations.py: users, sessions, the admin's tables) and test_celery*.py (the
+#: reservations are rows whatever the store), test_decorators.py (its Redis cases log a
+#: user in). A case that logs in (``admin_client``...) is never marked, nor one marked
+#: ``every_database``: a Redis case that still uses the database for what it checks.
+REDIS_CASES_MODULES = frozenset(
+    {
+        "test_acquire",
+        "test_compat_ratelimit",
+        "test_concurrency",
+        "test_conformance",
+        "test_deny_cache",
+        "test_faults",
+        "test_metrics",
+        "test_overrides",
+        "test_overrides_integrations",
+        "test_plans",
+        "test_red_team",
+        "test_red_team_2",
+        "test_refund",
+    }
+)
+
+_STORE_PARAMETERS = ("backend", "store", "async_backend")
+_DATABASE_FIXTURES = frozenset({"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback"})
+_USER_FIXTURES = frozenset({"admin_client", "admin_user", "django_user_model", "django_username_field"})
+
+
+def _db_independent(item: pytest.Item) -> bool:
+    """Whether ``item``'s outcome does not depend on the database it runs on (see the
+    ``db_independent`` marker): the rule is in DB_INDEPENDENT_MODULES and
+    REDIS_CASES_MODULES."""
+    module = getattr(getattr(item, "module", None), "__name__", "").rpartition(".")[2]
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if fixtures & _USER_FIXTURES or item.get_closest_marker("every_database") is not None:
+        return False
+    if module in DB_INDEPENDENT_MODULES:
+        return item.get_closest_marker("django_db") is None and not fixtures & _DATABASE_FIXTURES
+    if module in REDIS_CASES_MODULES:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return any(str(params.get(name, "")).startswith("redis") for name in _STORE_PARAMETERS)
+    return False
+
+
+# tryfirst: the marks must be on the items before ``-m`` selects them.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _db_independent(item):
+            item.add_marker(pytest.mark.db_independent)
     db = settings.DB
     # Tests about one database's behaviour run in that database's env, and are not
     # collected (rather than skipped) elsewhere: every collected test runs.

@@ -15,6 +15,7 @@ import multiprocessing
 import time
 from datetime import UTC, datetime, timedelta
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
@@ -28,6 +29,7 @@ from django.utils import timezone
 from prometheus_client import REGISTRY
 
 from django_tokenbucket import LimitRequest, deny_cache, limiter, overrides
+from django_tokenbucket import api as api_module
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.keys import Redacted, encode_key
 from django_tokenbucket.models import LimitOverride
@@ -234,12 +236,19 @@ def test_acquire_and_reserve_use_the_overridden_numbers(api, clock):
     assert raised.value.retry_after == 7
 
 
-def test_an_acquire_timeout_bounds_an_overridden_max_reserved(clock):
+def test_an_acquire_timeout_bounds_an_overridden_max_reserved(clock, monkeypatch):
     limiter.override("reservable", "k", max_reserved=1000)
+    # The limiter's wait is recorded rather than slept (tests/test_acquire.py sleeps for
+    # real): the clock is pinned, so the second call finds the same debt either way, and a
+    # minute less per backend and env.
+    waits: list[float] = []
+    monkeypatch.setattr(api_module, "time", SimpleNamespace(sleep=waits.append, perf_counter=time.perf_counter))
     # 3/min: a timeout of 60 s repays at most 3 tokens of debt, whatever the override allows.
     assert limiter.acquire("reservable", "k", count=6, timeout=60).ok
+    assert waits == [pytest.approx(60)]
     with pytest.raises(Exception):
         limiter.acquire("reservable", "k", count=6, timeout=60)
+    assert len(waits) == 1
 
 
 def test_limit_many_a_block_refuses_the_whole_call_and_an_exemption_takes_no_part(api, clock, store_calls):
@@ -315,6 +324,7 @@ class Rollback(Exception):
     pass
 
 
+@pytest.mark.every_database  # the override rows in a rolled-back transaction, on either store
 def test_a_change_inside_a_transaction_applies_at_once_and_not_after_its_rollback(api, clock):
     with pytest.raises(Rollback), transaction.atomic():
         limiter.block("login", "k")
@@ -444,6 +454,7 @@ def test_a_denial_under_an_override_is_remembered_under_its_numbers(api, clock, 
 # -- seen everywhere, for free -------------------------------------------------------
 
 
+@pytest.mark.every_database  # the overrides' queries, connections and forks, on either store
 def test_steady_state_decisions_make_no_extra_query(backend, clock):
     limiter.block("other", "someone")
     limiter.override("login", "tenant", rate=30)
@@ -466,6 +477,7 @@ def test_steady_state_decisions_make_no_extra_query(backend, clock):
     assert captured.captured_queries == [], "a blocked call asks no store"
 
 
+@pytest.mark.every_database  # the overrides' queries, connections and forks, on either store
 def test_a_refresh_is_one_query_of_the_stamp_while_nothing_changed(backend, clock):
     with override_settings(TOKENBUCKET=_current(OVERRIDES={"MAX_AGE": 0.2})):
         limiter.block("other", "someone")
@@ -478,6 +490,7 @@ def test_a_refresh_is_one_query_of_the_stamp_while_nothing_changed(backend, cloc
         assert len(sql) == 1 and "overridesversion" in sql[0].lower(), sql
 
 
+@pytest.mark.every_database  # the overrides' queries, connections and forks, on either store
 def test_a_failed_read_keeps_the_overrides_held(backend, clock, monkeypatch, caplog):
     limiter.block("login", "k")
     assert limiter.limit("login", "k").override == "block"
@@ -503,6 +516,7 @@ def _change_in_another_process(conn, action):
     conn.send("done")
 
 
+@pytest.mark.every_database  # the overrides' queries, connections and forks, on either store
 @pytest.mark.parametrize("action", ["block", "exempt", "limit"])
 def test_a_change_in_another_process_is_seen_within_max_age(backend, action):
     max_age = 0.5
@@ -531,6 +545,7 @@ def _report_override(conn):
     connections.close_all()
 
 
+@pytest.mark.every_database  # the overrides' queries, connections and forks, on either store
 def test_a_forked_child_reads_the_overrides_again(backend, clock):
     assert limiter.check("login", "k").override is None  # this process has read them
     # Written behind this process' back, as another process would.
@@ -555,6 +570,7 @@ def _areport_override(connection):
     connections.close_all()
 
 
+@pytest.mark.every_database  # the overrides' queries, connections and forks, on either store
 def test_a_forked_child_reads_the_overrides_on_the_asyncio_path_too(backend, clock):
     """The parent has used sync_to_async's one worker thread, which a fork does not copy:
     the child's first async decision must not wait for it for ever."""
@@ -579,6 +595,7 @@ def test_a_forked_child_reads_the_overrides_on_the_asyncio_path_too(backend, clo
     assert process.exitcode == 0
 
 
+@pytest.mark.every_database  # the overrides' queries, connections and forks, on either store
 def test_an_override_in_force_admits_exactly_its_numbers_across_processes(backend):
     """8 processes × 30 calls against a limit of 100 an override lowers to 37: exactly 37."""
     with frozen_clock(T0):
@@ -591,6 +608,7 @@ def test_an_override_in_force_admits_exactly_its_numbers_across_processes(backen
         assert limiter.get_status("exact", "hot").value == 0
 
 
+@pytest.mark.every_database  # the overrides' queries, connections and forks, on either store
 def test_an_exemption_in_force_counts_nothing_across_processes(backend):
     with frozen_clock(T0):
         limiter.exempt("exact", "hot")

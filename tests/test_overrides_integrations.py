@@ -114,6 +114,7 @@ def test_the_compat_layer_obeys_a_block_and_an_exemption(backend):
 # -- Celery's schedule() ------------------------------------------------------------------
 
 
+@pytest.mark.every_database  # the reservation is a row on either store
 def test_schedule_obeys_a_block_and_other_numbers(backend, monkeypatch):
     # Imported here: the Celery integration is an extra, and the rest of this file needs none.
     import django_tokenbucket.celery as tb_celery

@@ -92,6 +92,7 @@ def test_1_the_username_key_reads_the_user_models_field(backend):
     assert login_value(("username", "alice")) == 4
 
 
+@pytest.mark.every_database  # decides on the database backend in its Redis case too
 def test_1_case_folding_can_be_turned_off(backend):
     @ratelimit("login", key="header:X-Api-Key")
     def api(request):
