@@ -86,6 +86,8 @@ DB_INDEPENDENT_MODULES = frozenset(
 REDIS_CASES_MODULES = frozenset(
     {
         "test_acquire",
+        "test_analytics",
+        "test_analytics_store",
         "test_compat_ratelimit",
         "test_concurrency",
         "test_conformance",
@@ -101,7 +103,7 @@ REDIS_CASES_MODULES = frozenset(
     }
 )
 
-_STORE_PARAMETERS = ("backend", "store", "async_backend")
+_STORE_PARAMETERS = ("backend", "store", "async_backend", "ops_store")
 _DATABASE_FIXTURES = frozenset({"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback"})
 _USER_FIXTURES = frozenset({"admin_client", "admin_user", "django_user_model", "django_username_field"})
 
