@@ -14,7 +14,7 @@ from .algorithms import MICRO
 from .keys import LABEL_LENGTH, label_as_typed
 from .limits import MAX_NAME_LENGTH
 
-__all__ = ["LimitOverride", "OverridesVersion", "RateLimit", "Reservation"]
+__all__ = ["AnalyticsMinute", "DeniedKeyMinute", "LimitOverride", "OverridesVersion", "RateLimit", "Reservation"]
 
 
 class RateLimit(models.Model):
@@ -205,6 +205,70 @@ class OverridesVersion(models.Model):
 
     def __str__(self) -> str:
         return f"overrides version {self.stamp}"
+
+
+class AnalyticsMinute(models.Model):
+    """How many calls of one limit were let through and refused in one minute (denial analytics).
+
+    Each process counts in memory and adds its counts here at most once per flush
+    interval, so one row per (name, minute) however busy the limit: the charts read
+    a day of a limit in at most ``MINUTES_KEPT`` rows. ``cleanup`` trims rows past
+    that retention. Not in the admin: the analytics pages read it through the backend.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.CharField(_("limit name"), max_length=MAX_NAME_LENGTH)
+    #: Whole minutes since the epoch (UTC).
+    minute = models.BigIntegerField(_("minute"))
+    allowed = models.BigIntegerField(_("allowed"), default=0)
+    denied = models.BigIntegerField(_("denied"), default=0)
+
+    class Meta:
+        verbose_name = _("analytics minute")
+        verbose_name_plural = _("analytics minutes")
+        constraints = [
+            # The target of the flushes' upsert, and the index of every read (a name's minutes).
+            models.UniqueConstraint(fields=["name", "minute"], name="django_tokenbucket_analytics_name_minute"),
+        ]
+        indexes = [
+            # Trimming deletes by age across every name, which the unique index (name first) cannot serve.
+            models.Index(fields=["minute"], name="django_tokenbucket_am_minute"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} @{self.minute}: {self.allowed} allowed, {self.denied} denied"
+
+
+class DeniedKeyMinute(models.Model):
+    """How many calls of one key a limit refused in one minute: the "top denied keys" of the analytics.
+
+    Flushed like ``AnalyticsMinute``, only for keys that were refused (an allowed call
+    writes nothing here), and kept ``KEY_MINUTES_KEPT`` minutes: keys are many, so
+    ``cleanup`` trims them much sooner than the per-limit counts.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.CharField(_("limit name"), max_length=MAX_NAME_LENGTH)
+    minute = models.BigIntegerField(_("minute"))
+    digest = models.CharField(_("key digest"), max_length=64)
+    label = models.CharField(_("key"), max_length=LABEL_LENGTH, blank=True, default="")
+    denied = models.BigIntegerField(_("denied"), default=0)
+
+    class Meta:
+        verbose_name = _("denied key minute")
+        verbose_name_plural = _("denied key minutes")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["name", "minute", "digest"], name="django_tokenbucket_denied_name_minute_digest"
+            ),
+        ]
+        indexes = [
+            # As AnalyticsMinute's: trimming deletes by age across every name.
+            models.Index(fields=["minute"], name="django_tokenbucket_dk_minute"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} @{self.minute} [{label_as_typed(self.label) or self.digest[:12]}]: {self.denied} denied"
 
 
 def _reservations() -> ModuleType:

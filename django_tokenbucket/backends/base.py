@@ -113,6 +113,8 @@ class CleanupReport:
     #: False when ``max_seconds`` ran out before every limit was done.
     complete: bool = True
     dry_run: bool = False
+    #: Denial-analytics rows deleted past their retention (``trim_analytics``); 0 on a dry run.
+    analytics_trimmed: int = 0
 
     @property
     def deleted_total(self) -> int:
@@ -135,6 +137,7 @@ class CleanupReport:
             "rows_per_second": round(self.rows_per_second, 1),
             "complete": self.complete,
             "dry_run": self.dry_run,
+            "analytics_trimmed": self.analytics_trimmed,
         }
 
 

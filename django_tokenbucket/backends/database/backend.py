@@ -47,6 +47,7 @@ from ..base import (
     row_id,
     timeout_option,
 )
+from .analytics import AnalyticsRows
 from .deadline import Watch, watching
 from .operations import RowOperations
 from .postgresql import (
@@ -107,7 +108,7 @@ def database_now(alias: str) -> int:
     return DatabaseBackend({"DATABASE": alias})._read_clock(alias)
 
 
-class DatabaseBackend(RowOperations, BaseBackend):
+class DatabaseBackend(AnalyticsRows, RowOperations, BaseBackend):
     """Store limits in the ``RateLimit`` table.
 
     Options: ``DATABASE``, the alias to use (default: the router's choice for writes
@@ -128,6 +129,7 @@ class DatabaseBackend(RowOperations, BaseBackend):
     counts_cheaply = True
     keeps_rows = True
     needs_cleanup = True
+    keeps_analytics = True
 
     def __init__(self, options: Mapping[str, Any], *, setting: str = "TOKENBUCKET") -> None:
         super().__init__(options, setting=setting)

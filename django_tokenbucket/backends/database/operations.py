@@ -6,6 +6,7 @@ Mixed into ``DatabaseBackend``, whose alias (``alias``) and clock (``_read_clock
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -17,12 +18,16 @@ from ...algorithms import State
 from ...limits import LimitConfig
 from ...models import RateLimit
 from ..base import MAX_BATCH_SIZE, BackendError, BucketPage, CleanupReport, StoredBucket, checked_digests
+from . import analytics
 from . import cleanup as row_cleanup
 from .filters import count_by_state, state_q
 
 __all__ = ["RowOperations"]
 
 _T = TypeVar("_T")
+
+#: Store times are µs since the epoch; analytics count whole minutes.
+_MICROS_PER_MINUTE = 60 * 10**6
 
 
 class RowOperations:
@@ -141,5 +146,17 @@ class RowOperations:
         return self._store(adjust)
 
     def cleanup(self, limits: Mapping[str, LimitConfig], **options: Any) -> CleanupReport:
+        """Delete idle rows (``cleanup.cleanup``), then trim the denial analytics past
+        their retention (``analytics.trim``), unless ``dry_run``.
+
+        Trimmed here because every deployment that keeps rows already runs cleanup on a
+        schedule; analytics need no job of their own. At the store's time, as the rows.
+        """
         # Its database errors reach the caller as they are (the command reports them).
-        return row_cleanup.cleanup(self.alias(), limits, self._read_clock, **options)
+        alias = self.alias()
+        report = row_cleanup.cleanup(alias, limits, self._read_clock, **options)
+        if not report.dry_run:
+            started = time.monotonic()
+            report.analytics_trimmed = analytics.trim(alias, self._read_clock(alias) // _MICROS_PER_MINUTE)
+            report.seconds += time.monotonic() - started
+        return report

@@ -57,6 +57,7 @@ from ...limits import LimitConfig
 from ...settings import tokenbucket_settings
 from ..base import Answers, BackendError, BaseBackend, Outcome, RecentDenials, Request, RowId, row_id, timeout_option
 from .aio import AsyncioClients, missing_cache_error, not_django_redis_error
+from .analytics import AnalyticsKeys
 from .bounded import (
     acluster_execute,
     aread,
@@ -140,7 +141,7 @@ class _Limit(NamedTuple):
     fresh_ts: bytes | None
 
 
-class RedisBackend(KeyspaceListing, BaseBackend):
+class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
     """Store limits in Redis, using the client of a django-redis cache.
 
     Options: ``CACHE``, the alias in ``CACHES`` (default ``"default"``); it must be a
@@ -154,6 +155,7 @@ class RedisBackend(KeyspaceListing, BaseBackend):
     unknown_option_check = catalogue.E021
     asyncio_native = True
     lists_buckets = True
+    keeps_analytics = True
 
     def __init__(self, options: Mapping[str, Any], *, setting: str = "TOKENBUCKET") -> None:
         super().__init__(options, setting=setting)

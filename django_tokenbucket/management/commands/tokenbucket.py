@@ -424,6 +424,8 @@ class Command(OverrideCommands, BaseCommand):
         for name, deleted in sorted(report.deleted.items()):
             if deleted:
                 self.stdout.write(f"  {name}: {deleted}")
+        if report.analytics_trimmed:
+            self.stdout.write(f"Trimmed {report.analytics_trimmed} denial-analytics row(s) past their retention.")
         if not report.complete:
             self.stdout.write("Stopped at --max-seconds; the next run continues.")
         if report.unknown:
