@@ -45,18 +45,18 @@ def test_a_chart_draws_allowed_and_denied_per_minute_within_its_box():
     counts = minutes([(5, 0), (0, 0), (3, 2), (0, 4)] + [(0, 0)] * 56)
     svg = str(charts.chart_svg(counts, ident="c", heading="Last hour", time_of=lambda m: f"t{m - 29_000_000}"))
     assert svg.startswith("<svg") and 'role="img"' in svg and 'aria-labelledby="c-title"' in svg
-    assert 'viewBox="0 0 600 170"' in svg and 'width="100%"' in svg and 'data-bars="60"' in svg
+    assert 'viewBox="0 0 600 150"' in svg and 'width="100%"' in svg and 'data-bars="60"' in svg
     title = re.search(r'<title id="c-title">([^<]*)</title>', svg).group(1)
     assert title == "Last hour, t0 to t60: 8 allowed, 6 denied. Most denied at t3: 4 of 4."
     allowed, denied = rects(svg, "allowed"), rects(svg, "denied")
     assert len(allowed) == 2 and len(denied) == 2  # empty minutes draw nothing
-    base = 170 - 22
+    base = 150 - 22
     for rect in allowed + denied:
         assert 46 <= rect["x"] and rect["x"] + rect["width"] <= 600 and 8 - 0.01 <= rect["y"]
         assert rect["y"] + rect["height"] <= base + 0.01
     # Heights in proportion: the busiest minute (5) fills the plot, 3 + 2 stack to as much.
-    assert allowed[0]["height"] == pytest.approx(140)
-    assert allowed[1]["height"] + denied[0]["height"] == pytest.approx(140)
+    assert allowed[0]["height"] == pytest.approx(120)
+    assert allowed[1]["height"] + denied[0]["height"] == pytest.approx(120)
     assert denied[0]["y"] + denied[0]["height"] == pytest.approx(allowed[1]["y"])  # stacked
     assert ">t0<" in svg and ">t60<" in svg and ">5<" in svg and ">per minute<" in svg
     assert "<title>t2: 3 allowed, 2 denied</title>" in svg  # a tooltip per bar
@@ -65,7 +65,7 @@ def test_a_chart_draws_allowed_and_denied_per_minute_within_its_box():
 def test_a_spike_keeps_a_single_denial_visible():
     counts = minutes([(1_000_000, 0), (0, 1)] + [(0, 0)] * 58)
     svg = str(charts.chart_svg(counts, ident="c", heading="h", time_of=str))
-    assert rects(svg, "allowed")[0]["height"] == pytest.approx(140)
+    assert rects(svg, "allowed")[0]["height"] == pytest.approx(120)
     assert rects(svg, "denied")[0]["height"] >= charts.MIN_VISIBLE
     assert 'data-max="1000000"' in svg and "1,000,000" in svg
 
@@ -157,6 +157,9 @@ def test_one_limit_shows_the_hour_the_day_and_the_most_denied_keys(counting):
     client = client_for(make_user("viewer", "view_ratelimit"))
     content = page(client, f"{CHANGELIST}limits/tight/")
     assert 'aria-labelledby="tb-chart-hour-title"' in content and 'aria-labelledby="tb-chart-day-title"' in content
+    # The day's ends have the same clock time: its chart names their days of the week.
+    day_title = re.search(r'<title id="tb-chart-day-title">([^<]*)</title>', content).group(1)
+    assert re.match(r"Last 24 hours, per 10 minutes, \w{3} \d\d:\d\d to \w{3} \d\d:\d\d: 9 allowed", day_title)
     totals = re.findall(r'<th scope="row">Last (?:hour|24 hours)</th><td>(\d+)</td><td>(\d+)</td><td>([^<]+)</td>', content)
     assert totals == [("9", "7", "43.8 %"), ("9", "7", "43.8 %")]
     keys = re.findall(r'<td class="tb-top-key"><a href="([^"]+)">(.*?)</a>(?: <span class="tb-digest"[^>]*>[0-9a-f]{12}…</span>)?</td><td>(\d+)</td>', content, re.S)

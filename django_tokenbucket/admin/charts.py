@@ -16,19 +16,19 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from django.utils import timezone
-from django.utils.formats import number_format
+from django.utils.formats import date_format, number_format
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 
 from ..backends.base import MinuteCounts
 
-__all__ = ["Bar", "bars", "chart_svg", "minute_time", "totals"]
+__all__ = ["Bar", "bars", "chart_svg", "minute_day_time", "minute_time", "totals"]
 
 #: The drawing's own units (``viewBox``): it scales to the width of its box and keeps
 #: its proportions, so its words stay readable on a phone.
 WIDTH = 600
-HEIGHT = 170
+HEIGHT = 150
 COMPACT_WIDTH = 240
 COMPACT_HEIGHT = 44
 #: Room for the words around the plot (left: the scale; bottom: the clock times).
@@ -83,6 +83,12 @@ def totals(counts: Sequence[MinuteCounts]) -> tuple[int, int]:
 def minute_time(minute: int) -> str:
     """Return the start of ``minute`` (minutes since the epoch) as HH:MM in the current time zone."""
     return timezone.localtime(datetime.fromtimestamp(minute * 60, tz=UTC)).strftime("%H:%M")
+
+
+def minute_day_time(minute: int) -> str:
+    """Return the start of ``minute`` as the day of the week and HH:MM ("Tue 14:05"), for
+    spans over a day, whose two ends have the same clock time."""
+    return date_format(timezone.localtime(datetime.fromtimestamp(minute * 60, tz=UTC)), "D H:i")
 
 
 def _number(value: int) -> str:
@@ -194,13 +200,14 @@ def chart_svg(
                 top + 10,
                 _number(highest),
             ),
+            format_html('<text class="tb-chart-text" x="{}" y="{}" text-anchor="end">0</text>', left - 4, base),
+            # The unit under the middle of the axis: beside the scale it would not fit.
             format_html(
-                '<text class="tb-chart-text" x="{}" y="{}" text-anchor="end">{}</text>',
-                left - 4,
-                top + 22,
+                '<text class="tb-chart-text" x="{}" y="{}" text-anchor="middle">{}</text>',
+                (left + width - right) // 2,
+                height - 6,
                 unit,
             ),
-            format_html('<text class="tb-chart-text" x="{}" y="{}" text-anchor="end">0</text>', left - 4, base),
         ]
         if drawn:
             words += [

@@ -20,7 +20,7 @@ from .. import analytics, deny_cache
 from ..backends import backend_aliases, get_backend
 from ..backends.base import KEY_MINUTES_KEPT, BackendError, BaseBackend, MinuteCounts
 from ..registry import KnownLimit
-from .charts import chart_svg, totals
+from .charts import chart_svg, minute_day_time, totals
 from .display import _key_html
 
 __all__ = ["DOCS", "KeyRow", "LimitDenials", "analytics_status", "limit_denials", "overview_charts"]
@@ -99,10 +99,10 @@ def overview_charts(limits: dict[str, KnownLimit]) -> tuple[dict[str, SafeString
         except (BackendError, NotImplementedError) as exc:
             notes.update((name, _failure(backend, exc)) for name in names)
             continue
-        for index, name in enumerate(sorted(names)):
+        for name in sorted(names):
             charts[name] = chart_svg(
                 counted[name],
-                ident=f"tb-chart-{alias}-{index}",
+                ident=f"tb-chart-{len(charts)}",  # ids unique on the page, whatever the names
                 heading=_("“%(name)s”, last hour, per minute") % {"name": name},
                 compact=True,
             )
@@ -170,7 +170,13 @@ def limit_denials(known: KnownLimit, bucket_url: Callable[[str, str], str]) -> L
     day_allowed, day_denied = totals(day)
     return LimitDenials(
         hour_chart=chart_svg(hour, ident="tb-chart-hour", heading=_("Last hour, per minute")),
-        day_chart=chart_svg(day, ident="tb-chart-day", heading=_("Last 24 hours, per 10 minutes"), per=DAY_BAR),
+        day_chart=chart_svg(
+            day,
+            ident="tb-chart-day",
+            heading=_("Last 24 hours, per 10 minutes"),
+            per=DAY_BAR,
+            time_of=minute_day_time,
+        ),
         hour_allowed=hour_allowed,
         hour_denied=hour_denied,
         day_allowed=day_allowed,
