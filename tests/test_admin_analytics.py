@@ -87,6 +87,7 @@ def test_24_hours_are_drawn_in_a_bounded_number_of_bars():
     assert len(charts.bars(counts, per=1)) <= charts.MAX_BARS
     compact = str(charts.chart_svg(counts[:60], ident="e", heading="h", compact=True, time_of=str))
     assert 'viewBox="0 0 240 44"' in compact and "<text" not in compact and "tb-chart-compact" in compact
+    assert 'y1="43"' in compact  # the axis inside the box, not on its edge
 
 
 def test_every_text_of_a_chart_is_escaped():

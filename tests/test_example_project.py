@@ -479,6 +479,19 @@ def test_admin_charts_who_is_being_limited_in_headless_chromium(demo: Demo, tmp_
                 "return [document.documentElement.scrollWidth, window.innerWidth];"
             )
             assert sizes[0] <= sizes[1], (width, sizes)
-        print(f"\nscreenshots: {wide} {phone}")
+        # The overview: a small chart of the last hour per limit, linking to the limit's
+        # page; its wide table scrolls in its own box on a phone, not the page.
+        for width, height in ((1280, 900), (390, 844)):
+            driver.execute_cdp_cmd(
+                "Emulation.setDeviceMetricsOverride",
+                {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 600},
+            )
+            driver.get(demo.base_url + "/admin/django_tokenbucket/ratelimit/limits/")
+            small = driver.find_elements(By.CSS_SELECTOR, f"a[href='{page}'] svg.tb-chart-compact")
+            assert len(small) == 1 and small[0].is_displayed() and small[0].size["width"] > 100, width
+            sizes = driver.execute_script("return [document.documentElement.scrollWidth, window.innerWidth];")
+            assert sizes[0] <= sizes[1], (width, sizes)
+            driver.save_screenshot(str(tmp_path / f"overview-{width}.png"))
+        print(f"\nscreenshots: {wide} {phone} {tmp_path}/overview-*.png")
     finally:
         driver.quit()

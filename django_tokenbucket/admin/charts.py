@@ -2,8 +2,9 @@
 
 No JavaScript and no third-party script: the admin page carries the picture itself,
 which works under a strict Content-Security-Policy and needs no CDN. The chart is a
-stacked bar per period (allowed at the bottom, denied on top), with a ``<title>`` and
-``<desc>`` that say in words what it shows, for screen readers and as a tooltip.
+stacked bar per period (allowed at the bottom, denied on top), ``role="img"`` with a
+``<title>`` that says in words what it shows (for screen readers, and as a tooltip), and
+a ``<title>`` per bar with its time and counts.
 
 Pure: ``chart_svg`` depends only on its arguments (and the active translation and
 time zone for its words and clock times), so it is tested without a store.
@@ -133,13 +134,15 @@ def chart_svg(
     """Return an ``<svg>`` of ``counts`` (one entry per minute, as ``analytics.minutes()``
     returns them): a stacked bar of allowed and denied calls per ``per`` minutes.
 
-    ``ident`` makes the ids of its title and description unique on the page; ``heading``
+    ``ident`` makes the id of its title unique on the page; ``heading``
     names the chart in its title ("Last hour, per minute"). ``compact`` draws the bars
     only (the overview's small chart), the words staying in the title. Every text is
     escaped.
     """
     width, height = (COMPACT_WIDTH, COMPACT_HEIGHT) if compact else (WIDTH, HEIGHT)
-    left, right, top, bottom = (0, 0, 2, 0) if compact else (_LEFT, _RIGHT, _TOP, _BOTTOM)
+    # Compact: a pixel below the axis, which on the viewBox's very edge could be lost to
+    # rounding once scaled.
+    left, right, top, bottom = (0, 0, 2, 1) if compact else (_LEFT, _RIGHT, _TOP, _BOTTOM)
     drawn = bars(counts, per)
     title = _summary(drawn, heading, time_of) if drawn else _("%(heading)s: no data.") % {"heading": heading}
     plot_width, plot_height = width - left - right, height - top - bottom
@@ -186,6 +189,7 @@ def chart_svg(
                     f"{denied_height:.2f}",
                 )
             )
+        # rects holds format_html's output only: joined, it is as safe as each part.
         shapes.append(format_html("<g><title>{}</title>{}</g>", tip, SafeString("".join(rects))))
     words: list[SafeString] = []
     if not compact:
