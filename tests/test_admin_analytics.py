@@ -242,3 +242,31 @@ def test_staff_without_the_view_permission_is_refused(counting):
     client = client_for(make_user("staff"))
     assert client.get(f"{CHANGELIST}limits/").status_code == 403
     assert client.get(f"{CHANGELIST}limits/tight/").status_code == 403
+
+
+def test_a_failed_read_leaves_the_requests_transaction_usable(counting, monkeypatch):
+    """Under ATOMIC_REQUESTS the page runs in a transaction: a read that fails in the
+    database (PostgreSQL then refuses every later query of the transaction) is rolled
+    back to a savepoint, and the page goes on."""
+    from django.db import DatabaseError, connection, transaction
+
+    from django_tokenbucket.admin.denials import limit_denials
+    from django_tokenbucket.models import RateLimit
+    from django_tokenbucket.registry import known_limits
+
+    if counting != "database":
+        pytest.skip("a database backend's read")
+    backend = get_backend("default")
+
+    def broken(*args, **kwargs):
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT no_such_column FROM django_tokenbucket_ratelimit")
+        except DatabaseError as exc:
+            raise BackendError(f"read failed: {exc}") from exc
+
+    monkeypatch.setattr(backend, "read_minutes", broken)
+    with transaction.atomic():
+        denials = limit_denials(known_limits()["tight"], lambda alias, digest: "")
+        assert denials.error is not None and "read failed" in denials.error
+        assert RateLimit.objects.count() >= 0  # the transaction still answers

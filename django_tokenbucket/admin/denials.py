@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 
@@ -66,6 +68,14 @@ def _no_analytics(backend: BaseBackend) -> str:
     return _("%(backend)s keeps no analytics.") % {"backend": type(backend).__name__}
 
 
+def _reading(backend: BaseBackend) -> AbstractContextManager[Any]:
+    """A savepoint around a read of a database backend: in a request that runs in a
+    transaction (ATOMIC_REQUESTS), a failed read would otherwise leave that transaction
+    unusable for the rest of the page; a savepoint rolls back the read alone."""
+    alias = backend.database_alias()
+    return transaction.atomic(using=alias) if alias is not None else nullcontext()
+
+
 def _per_minute(backend: BaseBackend, names: list[str], since: int) -> dict[str, list[MinuteCounts]]:
     """The counts of ``names`` for each of the last ``since`` minutes, zeros filled: one read
     of the store for them all (``analytics.minutes`` reads one name)."""
@@ -95,7 +105,8 @@ def overview_charts(limits: dict[str, KnownLimit]) -> tuple[dict[str, SafeString
             notes.update((name, _no_analytics(backend)) for name in names)
             continue
         try:
-            counted = _per_minute(backend, sorted(names), HOUR)
+            with _reading(backend):
+                counted = _per_minute(backend, sorted(names), HOUR)
         except (BackendError, NotImplementedError) as exc:
             notes.update((name, _failure(backend, exc)) for name in names)
             continue
@@ -161,8 +172,9 @@ def limit_denials(known: KnownLimit, bucket_url: Callable[[str, str], str]) -> L
         return LimitDenials(error=_no_analytics(backend))
     name = known.name
     try:
-        day = analytics.minutes(name, since=DAY, backend=backend)
-        keys = analytics.denied_keys(name, since=KEY_MINUTES_KEPT, limit=TOP_KEYS_SHOWN, backend=backend)
+        with _reading(backend):
+            day = analytics.minutes(name, since=DAY, backend=backend)
+            keys = analytics.denied_keys(name, since=KEY_MINUTES_KEPT, limit=TOP_KEYS_SHOWN, backend=backend)
     except (BackendError, NotImplementedError) as exc:
         return LimitDenials(error=_failure(backend, exc))
     hour = day[-HOUR:]
