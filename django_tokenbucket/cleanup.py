@@ -59,7 +59,9 @@ def cleanup(
     refills within that time. ``dry_run`` deletes nothing and reports what would go. ``max_seconds``
     bounds the run (``report.complete`` says whether it finished); ``pause`` sleeps
     between batches to leave the database to live traffic (default: none, except 0.1 s
-    on SQLite, whose waiting writers poll for the lock).
+    on SQLite, whose waiting writers poll for the lock). Unless ``dry_run``, the
+    database's denial analytics past their retention are trimmed too
+    (``report.analytics_trimmed``).
     """
     if limits is None:
         limits = cleanup_limits()

@@ -14,7 +14,7 @@ import threading
 import pytest
 import redis.connection
 from django.conf import settings
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, connections, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django_redis import get_redis_connection
@@ -239,6 +239,16 @@ def test_a_write_that_fails_halfway_stores_nothing(database_backend):
     assert [k.denied for k in database_backend.read_denied_keys("login", M0, M0 + 1, 5)] == [1]
 
 
+def test_a_write_inside_the_callers_transaction_joins_it(database_backend):
+    """A savepoint of the caller's transaction, not a commit of its own: a rollback takes it back."""
+    with pytest.raises(RuntimeError), transaction.atomic():
+        database_backend.write_analytics([minute("login", M0, 1, 1)], [denied_key("login", "k", M0, 1)])
+        assert database_backend.read_minutes(["login"], M0, M0 + 1) == [minute("login", M0, 1, 1)]
+        raise RuntimeError("the caller's work failed")
+    assert database_backend.read_minutes(["login"], M0, M0 + 1) == []
+    assert database_backend.read_denied_keys("login", M0, M0 + 1, 1) == []
+
+
 def test_trimming_deletes_exactly_the_rows_past_their_retention(database_backend):
     now = M0 + 10_000
     database_backend.write_analytics(
@@ -406,6 +416,7 @@ def test_concurrent_flushes_on_the_same_rows_add_up_exactly(database_backend):
     for thread in threads:
         thread.join(60)
     assert errors == []
+    assert not database_backend.gave_up  # no deadlock or serialization failure outlasted the retries
     expected = [minute(name, M0 + r, WRITERS, 2 * WRITERS) for name in "abc" for r in range(ROUNDS)]
     assert database_backend.read_minutes(["a", "b", "c"], M0, M0 + ROUNDS) == expected
     for name in "abc":

@@ -317,3 +317,25 @@ def test_deleting_what_cleanup_selects_changes_no_future_decision(data):
                 assert status.value == expected.value / MICRO
                 assert status.retry_after == (None if expected.retry_after is None else expected.retry_after / MICRO)
                 assert status.reset_after == expected.full_after / MICRO
+
+
+def test_cleanup_trims_denial_analytics_past_their_retention_but_not_on_a_dry_run():
+    from django_tokenbucket.backends.base import KEY_MINUTES_KEPT, MINUTES_KEPT, DeniedKeyCount, MinuteCounts
+    from django_tokenbucket.backends.database import DatabaseBackend
+    from django_tokenbucket.models import AnalyticsMinute, DeniedKeyMinute
+
+    now = int(T0 // 60)
+    digest = encode_key("k").digest
+    DatabaseBackend({}).write_analytics(
+        [MinuteCounts("login", now - MINUTES_KEPT - 1, 1, 1), MinuteCounts("login", now, 1, 1)],
+        [DeniedKeyCount("login", digest, "k", 1, now - KEY_MINUTES_KEPT - 1), DeniedKeyCount("login", digest, "k", 1, now)],
+    )
+    with frozen_clock(T0):
+        dry = cleanup(dry_run=True)
+        assert dry.analytics_trimmed == 0 and AnalyticsMinute.objects.count() == 2 and DeniedKeyMinute.objects.count() == 2
+        report = cleanup()
+    assert report.analytics_trimmed == 2 and report.as_dict()["analytics_trimmed"] == 2
+    assert list(AnalyticsMinute.objects.values_list("minute", flat=True)) == [now]
+    assert list(DeniedKeyMinute.objects.values_list("minute", flat=True)) == [now]
+    with frozen_clock(T0):
+        assert cleanup().analytics_trimmed == 0

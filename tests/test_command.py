@@ -262,6 +262,21 @@ def test_cleanup_as_json():
     assert report["deleted"] == {"login": 1} and report["complete"] is True and report["batches"] == 1
 
 
+def test_cleanup_says_how_many_denial_analytics_rows_it_trimmed():
+    from django_tokenbucket.backends.base import MINUTES_KEPT, MinuteCounts
+    from django_tokenbucket.backends.database import DatabaseBackend
+
+    now = int(T0 // 60)
+    DatabaseBackend({}).write_analytics(
+        [MinuteCounts("login", now - MINUTES_KEPT - 1, 1, 0), MinuteCounts("api", now - MINUTES_KEPT - 9, 0, 1)], []
+    )
+    with frozen_clock(T0):
+        assert "analytics" not in run("cleanup", "--dry-run")
+        assert "Trimmed 2 denial-analytics row(s) past their retention." in run("cleanup")
+        assert "analytics" not in run("cleanup")
+        assert json.loads(run("cleanup", "--json"))["analytics_trimmed"] == 0
+
+
 def test_djangos_options_work_after_the_subcommand():
     """Issue 21: `tokenbucket list --settings X` failed ("unrecognized arguments")."""
     command = [sys.executable, "-m", "django", "tokenbucket", "list", "--no-counts", "--settings", "tests.settings", "-v", "0"]

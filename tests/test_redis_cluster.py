@@ -314,3 +314,46 @@ def test_a_slot_being_migrated_is_followed_through_ask_and_then_moved(cluster, r
         assert not limiter.limit("login", "migrating").ok
         assert not asyncio.run(limiter.alimit("login", "migrating")).ok
     assert cluster.node_for_slot(slot).port == target.port
+
+
+def test_denial_analytics_of_two_limits_on_the_cluster(cluster, redis_backend):
+    """Each limit's analytics keys share one slot (ZUNION over its minutes runs on one
+    node); the two limits' lie on different nodes, which one pipeline writes and reads."""
+    from django.core.cache import caches
+
+    from django_tokenbucket.backends.base import DeniedKeyCount, MinuteCounts
+    from django_tokenbucket.backends.redis.analytics import analytics_key
+
+    client = redis_backend.client()
+    minute = 28_333_440
+    names = ["login", "api {v2}"]
+
+    def node(name: str, kind: str, number: int) -> int:
+        return client.get_node_from_key(str(caches["cluster"].make_key(analytics_key(name, kind, number)))).port
+
+    # Each limit on one node whatever the hour or minute; the two on different nodes.
+    assert {node(names[0], "h", 1), node(names[0], "k", minute), node(names[0], "k", minute + 59)} == {
+        node(names[0], "h", 2)
+    }
+    assert node(names[0], "h", 1) != node(names[1], "h", 1)
+    first, second, third = (encode_key(k).digest for k in ("a", "b", "c"))
+    for _ in range(2):  # two flushes add up
+        redis_backend.write_analytics(
+            [MinuteCounts(name, minute + offset, 2, 1) for name in names for offset in (0, 61)],
+            [
+                *(DeniedKeyCount(name, first, "a", 2, minute) for name in names),
+                *(DeniedKeyCount(name, second, "b", 1, minute + 61) for name in names),
+                DeniedKeyCount(names[1], third, "c", 5, minute + 1),
+            ],
+        )
+    assert redis_backend.read_minutes(names, minute, minute + 62) == [
+        MinuteCounts(name, minute + offset, 4, 2) for name in sorted(names) for offset in (0, 61)
+    ]
+    assert [(k.digest, k.denied) for k in redis_backend.read_denied_keys(names[0], minute, minute + 62, 5)] == [
+        (first, 4),
+        (second, 2),
+    ]
+    assert [(k.digest, k.denied) for k in redis_backend.read_denied_keys(names[1], minute, minute + 62, 2)] == [
+        (third, 10),
+        (first, 4),
+    ]

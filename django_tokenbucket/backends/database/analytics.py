@@ -7,6 +7,9 @@ row that is there"): ``INSERT ... ON CONFLICT ... DO UPDATE`` on PostgreSQL and 
 lock, so no increment is lost and a concurrent first insert never surfaces as an
 IntegrityError. The statements are plain and parameterised, with nothing set on the
 session, so they run through PgBouncer in transaction pooling mode.
+
+The backend's ``TIMEOUT`` watchdog bounds decisions only: these calls come from the
+flush thread, the admin and cleanup, not from a request waiting on its limit.
 """
 
 from __future__ import annotations

@@ -150,7 +150,8 @@ class RowOperations:
         their retention (``analytics.trim``), unless ``dry_run``.
 
         Trimmed here because every deployment that keeps rows already runs cleanup on a
-        schedule; analytics need no job of their own. At the store's time, as the rows.
+        schedule; analytics need no job of their own. At the store's time, as the rows,
+        and whatever ``names`` says: retention is by age, the same for every limit.
         """
         # Its database errors reach the caller as they are (the command reports them).
         alias = self.alias()

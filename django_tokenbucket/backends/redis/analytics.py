@@ -18,6 +18,10 @@ a minute's set ``KEY_MINUTES_KEPT`` minutes past its minute (both plus
 ``EXPIRY_MARGIN``). The TTL is counted from the minute written rather than from a
 clock, taking a flush to happen within the minute it reports: one that comes later
 only keeps its keys a little longer. No readable labels are kept (see ``backend``).
+
+The backend's ``TIMEOUT`` bounds decisions only: these calls come from the flush thread
+and the admin, not from a request waiting on its limit, and are bounded by the cache's
+``SOCKET_TIMEOUT``.
 """
 
 from __future__ import annotations
