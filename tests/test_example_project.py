@@ -396,3 +396,102 @@ def test_playground_charts_a_burst_in_headless_chromium(demo: Demo, tmp_path: Pa
         assert rows >= 3 and hidden_in_table <= 0 and hidden_in_page <= 0, overflow
     finally:
         driver.quit()
+
+
+def test_admin_charts_who_is_being_limited_in_headless_chromium(demo: Demo, tmp_path: Path) -> None:
+    """Allowed and denied logins over a few minutes, then the limit's admin page at 1280 px
+    and at a phone's 390 px: the charts are drawn and the page does not scroll sideways."""
+    chromium = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+    chromedriver = shutil.which("chromedriver")
+    if chromium is None or chromedriver is None:
+        missing("Chromium and chromedriver are not installed: apt-get install chromium chromium-driver")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+        from selenium.webdriver.common.by import By
+    except ImportError:
+        missing("Selenium is not installed: pip install selenium (the example tox env has it)")
+
+    # Traffic: login attempts over two and a half minutes, so that the bars span several
+    # minutes. login_username allows 5 a minute per username (one back every 12 s) and
+    # login_ip 10 per address (one back every 6 s): a burst of mallory, then mallory
+    # every 8 s or so, then eve every 4.5 s; each gets denied about a third of the time.
+    client = Browser(demo.base_url)
+    assert client.get("/login/").status == 200  # the CSRF cookie
+
+    def attempt(username: str) -> int:
+        return client.post("/login/", {"username": username, "password": "wrong"}).status
+
+    statuses = [attempt("mallory") for _ in range(10)]
+    started = time.monotonic()
+    while time.monotonic() - started < 150:
+        first_half = time.monotonic() - started < 70
+        time.sleep(6.5 if first_half else 3)
+        statuses.append(attempt("mallory" if first_half else "eve"))
+    assert 200 in statuses and 429 in statuses, statuses
+    time.sleep(5)  # FLUSH is 2 s in the example's settings
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for argument in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,900",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(executable_path=chromedriver), options=options)
+    page = "/admin/django_tokenbucket/ratelimit/limits/login_username/"
+    # TOKENBUCKET_ANALYTICS_SCREENSHOT=docs/admin-analytics.png ./scripts/test -e example
+    # refreshes the docs' pictures (and docs/admin-analytics-phone.png beside it).
+    wide = Path(os.environ.get("TOKENBUCKET_ANALYTICS_SCREENSHOT") or tmp_path / "admin-analytics.png")
+    phone = wide.with_name(f"{wide.stem}-phone{wide.suffix}")
+    try:
+        driver.get(demo.base_url + "/admin/login/?next=" + urllib.parse.quote(page))
+        driver.find_element(By.NAME, "username").send_keys("admin")
+        driver.find_element(By.NAME, "password").send_keys("admin")
+        driver.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+        for width, height, target in ((1280, 900, wide), (390, 844, phone)):
+            driver.execute_cdp_cmd(
+                "Emulation.setDeviceMetricsOverride",
+                {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 600},
+            )
+            driver.get(demo.base_url + page)
+            driver.execute_script("document.getElementById('analytics').scrollIntoView();")
+            assert driver.save_screenshot(str(target.resolve()))
+            assert target.stat().st_size > 10_000
+            charts = driver.find_elements(By.CSS_SELECTOR, "svg.tb-chart")
+            assert len(charts) == 2 and all(chart.is_displayed() for chart in charts), driver.page_source[-3000:]
+            hour = charts[0]
+            assert hour.size["width"] > 0.5 * min(width, 900) and hour.size["height"] > 40, hour.size
+            assert driver.find_elements(By.CSS_SELECTOR, "svg.tb-chart rect.tb-allowed")
+            assert driver.find_elements(By.CSS_SELECTOR, "svg.tb-chart rect.tb-denied")
+            keys = driver.find_elements(By.CSS_SELECTOR, ".tb-top-keys td.tb-top-key a")
+            assert len(keys) >= 2 and "/buckets/default/key/?" in (keys[0].get_attribute("href") or "")
+            # Nothing wider than the screen: no sideways scrolling on a phone.
+            sizes = driver.execute_script(
+                "return [document.documentElement.scrollWidth, window.innerWidth];"
+            )
+            assert sizes[0] <= sizes[1], (width, sizes)
+        # The overview: a small chart of the last hour per limit, linking to the limit's
+        # page; its wide table scrolls in its own box on a phone, not the page.
+        for width, height in ((1280, 900), (390, 844)):
+            driver.execute_cdp_cmd(
+                "Emulation.setDeviceMetricsOverride",
+                {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 600},
+            )
+            driver.get(demo.base_url + "/admin/django_tokenbucket/ratelimit/limits/")
+            small = driver.find_elements(By.CSS_SELECTOR, f"a[href='{page}'] svg.tb-chart-compact")
+            assert len(small) == 1 and small[0].is_displayed() and small[0].size["width"] > 100, width
+            sizes = driver.execute_script("return [document.documentElement.scrollWidth, window.innerWidth];")
+            assert sizes[0] <= sizes[1], (width, sizes)
+            driver.save_screenshot(str(tmp_path / f"overview-{width}.png"))
+        print(f"\nscreenshots: {wide} {phone} {tmp_path}/overview-*.png")
+    finally:
+        driver.quit()

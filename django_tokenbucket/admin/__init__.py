@@ -17,6 +17,10 @@ says what a backend cannot show (labels, counts and filters by state, listing at
 
 Runtime overrides have an admin of their own (``LimitOverrideAdmin``), and every bucket
 page offers to block, exempt or multiply the limit of its key (``bucket_overrides``).
+
+With ``TOKENBUCKET["ANALYTICS"]`` on, the limits pages chart who is being limited:
+allowed and denied calls per minute as inline SVG drawn on the server (``charts``), and
+the most denied keys linking to their bucket pages (``denials``).
 """
 
 from .buckets import MAX_ACTION_ROWS

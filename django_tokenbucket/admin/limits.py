@@ -4,6 +4,7 @@ its buckets by state where the store can count them cheaply.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from urllib.parse import urlencode
 
 from django.contrib import messages
@@ -17,10 +18,11 @@ from django.utils.translation import gettext_lazy as _
 from ..backends import backend_aliases, get_backend, row_backend
 from ..backends.base import BackendError
 from ..live import FULL, LIMITED, PARTIAL
-from ..registry import KnownLimit
+from ..registry import KnownLimit, known_limits
 from ..text import describe_rate, format_tokens
 from .actions import BucketActions
 from .bucket_overrides import BucketOverrides
+from .denials import analytics_status, limit_denials, overview_charts
 from .display import _Context, _context, _local_time
 
 __all__ = ["LimitsOverview"]
@@ -87,13 +89,29 @@ class LimitsOverview(BucketOverrides, BucketActions):
             counts.update((config.name, counted.get(config.name)) for config in configs)
         return counts
 
+    def _denied_key_url(self, known: KnownLimit) -> Callable[[str, str], str]:
+        """The page of a denied key's bucket: its own page (reset, block, exempt), or for a
+        sharded limit the list of its shards (their digests share the key's first 16 digits)."""
+
+        whole = known_limits(as_rows=False).get(known.name)  # a row's config has no shards
+
+        def url(alias: str, digest: str) -> str:
+            if whole is not None and whole.config.shards > 1:
+                return self._url("buckets", alias, name=known.name, q=digest[:16])
+            return self._url("bucket", alias, name=known.name, digest=digest)
+
+        return url
+
     def limits_view(self, request: HttpRequest) -> HttpResponse:
-        """Every limit: its config and backend, the keys stored and how many are limited right now."""
+        """Every limit: its config and backend, the keys stored and how many are limited right
+        now, and (with analytics on) its allowed and denied calls of the last hour."""
         if not self.has_view_or_change_permission(request):
             raise PermissionDenied
         context, counts = self._counts(request)
         elsewhere = self._elsewhere_counts(request, context.limits)
         changelist = reverse(f"{self.admin_site.name}:django_tokenbucket_ratelimit_changelist")
+        status = analytics_status()
+        charts, notes = overview_charts(context.limits) if status["analytics_on"] else ({}, {})
         entries = []
         for name in sorted(set(context.limits) | set(counts)):
             known = context.limits.get(name)
@@ -107,6 +125,8 @@ class LimitsOverview(BucketOverrides, BucketActions):
                 "limited": count.get(LIMITED, 0) if known else None,
                 "detail_url": reverse(f"{self.admin_site.name}:django_tokenbucket_ratelimit_limit", args=[name]),
                 "changelist_url": f"{changelist}?{urlencode({'name': name})}",
+                "chart": charts.get(name),
+                "chart_note": notes.get(name),
             }
             if name in elsewhere and known is not None:
                 # Its keys are not rows of this changelist: listed by its backend's own page.
@@ -125,12 +145,14 @@ class LimitsOverview(BucketOverrides, BucketActions):
                 "opts": self.opts,
                 "entries": entries,
                 "now": _local_time(context.now),
+                **status,
                 "media": self.media,
             },
         )
 
     def limit_view(self, request: HttpRequest, name: str) -> HttpResponse:
-        """One limit: its config and its keys by state now."""
+        """One limit: its config, its keys by state now and (with analytics on) its allowed
+        and denied calls of the last hour and day, and its most denied keys."""
         if not self.has_view_or_change_permission(request):
             raise PermissionDenied
         context, counts = self._counts(request, [name])
@@ -146,6 +168,12 @@ class LimitsOverview(BucketOverrides, BucketActions):
         if name in elsewhere and known is not None:
             stored, count = elsewhere[name], {}
             keys_url = self._url("buckets", known.config.backend, name=name)
+        status = analytics_status()
+        denials = (
+            limit_denials(known, self._denied_key_url(known))
+            if status["analytics_on"] and known is not None
+            else None
+        )
         return TemplateResponse(
             request,
             "admin/django_tokenbucket/ratelimit/limit.html",
@@ -173,6 +201,8 @@ class LimitsOverview(BucketOverrides, BucketActions):
                 "by_state": name not in elsewhere,
                 "changelist_url": keys_url,
                 "now": _local_time(context.now),
+                **status,
+                "denials": denials,
                 "media": self.media,
             },
         )
