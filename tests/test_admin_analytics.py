@@ -108,11 +108,7 @@ def counting(ops_store, monkeypatch):
     with override_settings(
         TOKENBUCKET={**current, "LIMITS": {**current["LIMITS"], **LIMITS}, "ANALYTICS": {"FLUSH": 3600}}
     ):
-        # No flusher thread: the counts are written when the test says (a thread started
-        # now could write them at once, woken by an earlier settings change).
-        monkeypatch.setattr(analytics, "_flusher", object())
         yield ops_store
-    analytics._stop_flusher()
 
 
 def traffic() -> None:

@@ -208,9 +208,9 @@ def test_a_block_or_an_exemption_of_the_views_name_reaches_every_plan(backend, c
 
 
 def test_other_numbers_for_a_views_name_need_a_plans_bucket(clock):
-    with pytest.raises(ImproperlyConfigured, match="unknown rate limit 'tests.test_plans.sync_view'"):
+    with pytest.raises(ImproperlyConfigured, match=re.escape("unknown rate limit 'tests.test_plans.sync_view'")):
         limiter.override(BASES["sync"], ADDRESS, rate="100/m")
-    with pytest.raises(ImproperlyConfigured, match="unknown rate limit 'tests.test_plans.nope'"):
+    with pytest.raises(ImproperlyConfigured, match=re.escape("unknown rate limit 'tests.test_plans.nope'")):
         limiter.block("tests.test_plans.nope", ADDRESS)
 
 
