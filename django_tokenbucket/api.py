@@ -1176,6 +1176,7 @@ class Limiter:
     def _store_failed(self, step: _Step, exc: BackendError) -> None:
         """Apply the fail mode to a failed step: return to let it through, or raise BackendUnavailable."""
         limit = step.limit
+        metrics.store_failures.note(self._store_label(limit), metrics.error_label(exc))
         recorder = metrics.active()
         if recorder is not None:
             recorder.store_error(self._store_label(limit), metrics.error_label(exc))

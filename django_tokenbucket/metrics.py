@@ -25,6 +25,7 @@ names the rest are counted as ``"other"``.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Protocol
 
 from django.core.exceptions import ImproperlyConfigured
@@ -49,10 +50,12 @@ __all__ = [
     "OUTCOMES",
     "RESERVATION_EVENTS",
     "Recorder",
+    "StoreFailures",
     "active",
     "count_reservations",
     "error_label",
     "metrics_problem",
+    "store_failures",
 ]
 
 #: The values ``TOKENBUCKET["METRICS"]`` takes, and the package each one needs.
@@ -269,6 +272,35 @@ def metrics_problem(kind: object) -> str | None:
     if installed is None:
         return f"= {kind!r} needs {KINDS[kind]}: pip install 'dj-tokenbucket[{kind}]'"
     return None
+
+
+class StoreFailures:
+    """The store failures this process has seen, by backend, kept whether ``METRICS`` is
+    on or not: the admin shows them (a process' own, as its deny cache)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: backend label -> (failures, the last one's error label, when: time.time())
+        self._seen: dict[str, tuple[int, str, float]] = {}
+
+    def note(self, backend: str, error: str) -> None:
+        """Count one failure of ``backend`` (an alias, or a limiter's own backend class)."""
+        with self._lock:
+            count = self._seen.get(backend, (0, "", 0.0))[0]
+            self._seen[backend] = (count + 1, error, time.time())
+
+    def seen(self) -> dict[str, tuple[int, str, float]]:
+        """Return backend -> (failures since this process started, the last error, when)."""
+        with self._lock:
+            return dict(self._seen)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._seen.clear()
+
+
+#: This process' store failures (``Limiter._store_failed`` notes each one).
+store_failures = StoreFailures()
 
 
 def error_label(exc: BaseException) -> str:

@@ -12,10 +12,11 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 
-from django_tokenbucket import analytics, limiter
+from django_tokenbucket import analytics, limiter, metrics
 from django_tokenbucket.admin import charts
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.base import BackendError, MinuteCounts
+from django_tokenbucket.exceptions import BackendUnavailable
 from django_tokenbucket.keys import encode_key
 
 from .test_admin import CHANGELIST, client_for, make_user
@@ -240,6 +241,7 @@ def test_staff_without_the_view_permission_is_refused(counting):
     assert client.get(f"{CHANGELIST}limits/tight/").status_code == 403
 
 
+@pytest.mark.parametrize("ops_store", ["database"], indirect=True)  # a database backend's read
 def test_a_failed_read_leaves_the_requests_transaction_usable(counting, monkeypatch):
     """Under ATOMIC_REQUESTS the page runs in a transaction: a read that fails in the
     database (PostgreSQL then refuses every later query of the transaction) is rolled
@@ -250,8 +252,6 @@ def test_a_failed_read_leaves_the_requests_transaction_usable(counting, monkeypa
     from django_tokenbucket.models import RateLimit
     from django_tokenbucket.registry import known_limits
 
-    if counting != "database":
-        pytest.skip("a database backend's read")
     backend = get_backend("default")
 
     def broken(*args, **kwargs):
@@ -266,3 +266,25 @@ def test_a_failed_read_leaves_the_requests_transaction_usable(counting, monkeypa
         denials = limit_denials(known_limits()["tight"], lambda alias, digest: "")
         assert denials.error is not None and "read failed" in denials.error
         assert RateLimit.objects.count() >= 0  # the transaction still answers
+
+
+def test_this_processes_store_failures_are_shown(db, monkeypatch):
+    """A store that refuses connections: the failures this process saw are on the overview."""
+    monkeypatch.setattr(metrics, "store_failures", metrics.StoreFailures())
+    nowhere = {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": "redis://127.0.0.1:1/0",  # nothing listens on port 1: refused at once
+        "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1},
+    }
+    store = {"BACKEND": "django_tokenbucket.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "nowhere"}}
+    client = client_for(make_user("viewer", "view_ratelimit"))
+    with override_settings(
+        CACHES={**settings.CACHES, "nowhere": nowhere},
+        TOKENBUCKET={**settings.TOKENBUCKET, **store, "ANALYTICS": {"FLUSH": 3600}},
+    ):
+        for _ in range(2):
+            with pytest.raises(BackendUnavailable):
+                limiter.limit("ten_per_minute", "alice")
+        content = page(client, f"{CHANGELIST}limits/")
+    assert "This server process saw 2 failures of the store “default” since it started" in content
+    assert "ConnectionError" in content

@@ -18,12 +18,13 @@ from django.db import transaction
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
 
-from .. import analytics, deny_cache
+from .. import analytics, deny_cache, metrics
+from ..algorithms import MICRO
 from ..backends import backend_aliases, get_backend
 from ..backends.base import KEY_MINUTES_KEPT, BackendError, BaseBackend, MinuteCounts
 from ..registry import KnownLimit
 from .charts import chart_svg, minute_day_time, totals
-from .display import _key_html
+from .display import _key_html, _local_time
 
 __all__ = ["DOCS", "KeyRow", "LimitDenials", "analytics_status", "limit_denials", "overview_charts"]
 
@@ -54,6 +55,10 @@ def analytics_status() -> dict[str, Any]:
         "deny_cache_keys": deny_cache.size() if deny_cache.active() is not None else None,
         "pending_allowed": sum(counts["allowed"] for counts in pending.values()),
         "pending_denied": sum(counts["denied"] for counts in pending.values()),
+        "store_failures": [
+            {"backend": backend, "count": count, "error": error, "at": _local_time(int(at * MICRO))}
+            for backend, (count, error, at) in sorted(metrics.store_failures.seen().items())
+        ],
     }
 
 
