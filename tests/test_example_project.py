@@ -303,7 +303,9 @@ def test_demo_shows_every_integration_and_stops_on_ctrl_c(demo: Demo) -> None:
     wait_for(lambda: not demo.processes(), 20, f"processes left after Ctrl-C: {demo.processes()}")
 
 
-def test_playground_charts_a_burst_in_headless_chromium(demo: Demo, tmp_path: Path) -> None:
+def headless_chromium(tmp_path: Path, width: int, height: int) -> Any:
+    """A Selenium driver of headless Chromium with its own profile under ``tmp_path``
+    (missing Chromium, chromedriver or Selenium: a skip that says how, a failure in CI)."""
     chromium = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
     chromedriver = shutil.which("chromedriver")
     if chromium is None or chromedriver is None:
@@ -311,11 +313,8 @@ def test_playground_charts_a_burst_in_headless_chromium(demo: Demo, tmp_path: Pa
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
-        from selenium.webdriver.common.by import By
-        from selenium.webdriver.support.ui import WebDriverWait
     except ImportError:
         missing("Selenium is not installed: pip install selenium (the example tox env has it)")
-
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for argument in (
@@ -328,11 +327,18 @@ def test_playground_charts_a_burst_in_headless_chromium(demo: Demo, tmp_path: Pa
         "--disable-component-update",
         "--disable-sync",
         "--disable-dev-shm-usage",
-        "--window-size=1200,1240",
+        f"--window-size={width},{height}",
         f"--user-data-dir={tmp_path / 'chromium-profile'}",
     ):
         options.add_argument(argument)
-    driver = webdriver.Chrome(service=Service(executable_path=chromedriver), options=options)
+    return webdriver.Chrome(service=Service(executable_path=chromedriver), options=options)
+
+
+def test_playground_charts_a_burst_in_headless_chromium(demo: Demo, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver = headless_chromium(tmp_path, 1200, 1240)
     try:
         driver.get(demo.base_url + "/playground/")
         chart = driver.find_element(By.ID, "chart")
@@ -401,16 +407,7 @@ def test_playground_charts_a_burst_in_headless_chromium(demo: Demo, tmp_path: Pa
 def test_admin_charts_who_is_being_limited_in_headless_chromium(demo: Demo, tmp_path: Path) -> None:
     """Allowed and denied logins over a few minutes, then the limit's admin page at 1280 px
     and at a phone's 390 px: the charts are drawn and the page does not scroll sideways."""
-    chromium = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
-    chromedriver = shutil.which("chromedriver")
-    if chromium is None or chromedriver is None:
-        missing("Chromium and chromedriver are not installed: apt-get install chromium chromium-driver")
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-        from selenium.webdriver.common.by import By
-    except ImportError:
-        missing("Selenium is not installed: pip install selenium (the example tox env has it)")
+    from selenium.webdriver.common.by import By
 
     # Traffic: a burst of mallory's login attempts, then mallory every 6.5 s, then eve
     # every 3 s. login_username allows 5 a minute per username (one back every 12 s) and
@@ -433,22 +430,7 @@ def test_admin_charts_who_is_being_limited_in_headless_chromium(demo: Demo, tmp_
     assert 200 in statuses and 429 in statuses, statuses
     time.sleep(5)  # FLUSH is 2 s in the example's settings
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for argument in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--window-size=1280,900",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-    ):
-        options.add_argument(argument)
-    driver = webdriver.Chrome(service=Service(executable_path=chromedriver), options=options)
+    driver = headless_chromium(tmp_path, 1280, 900)
     page = "/admin/django_tokenbucket/ratelimit/limits/login_username/"
     # TOKENBUCKET_ANALYTICS_SCREENSHOT=docs/admin-analytics.png ./scripts/test -e example
     # refreshes the docs' pictures (and docs/admin-analytics-phone.png beside it).
