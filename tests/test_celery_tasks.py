@@ -29,7 +29,7 @@ from django_tokenbucket.testing import frozen_clock
 
 from .celery_app import QUEUE, app
 from .celery_tasks import RUNS, TASKS_LIMIT, limited_effect, plain_effect
-from .celery_workers import CeleryProcess, publish_elsewhere, purge_broker
+from .celery_workers import CeleryProcess, publish_elsewhere, purge_broker, stop_all
 from .settings import TOKENBUCKET as BASE_SETTINGS
 from .test_celery import (  # noqa: F401  (fixtures)
     clean_records,
@@ -199,12 +199,10 @@ def workers(tables, workdir, django_db_blocker):
             for process in started:
                 process.wait_until_ready()
         except BaseException:
-            for process in started:
-                process.stop()
+            stop_all(started)
             raise
     yield started
-    for process in started:
-        process.stop()
+    stop_all(started)
     purge_broker()
 
 

@@ -26,6 +26,7 @@ from django.db import connection, connections, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from hypothesis import event, given
+from hypothesis import settings as hypothesis_settings
 
 from django_tokenbucket import BackendUnavailable, LimitRequest, limiter
 from django_tokenbucket import clock as clock_module
@@ -49,7 +50,7 @@ from django_tokenbucket.models import LimitOverride, OverridesVersion, RateLimit
 from django_tokenbucket.testing import frozen_clock
 
 from . import parity
-from .concurrency import in_another_thread
+from .concurrency import in_another_thread, sized
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
 pytestmark = [pytest.mark.only_on("postgres"), pytest.mark.django_db(transaction=True)]
@@ -130,14 +131,16 @@ def path(request) -> str:
     return request.param
 
 
-@parity.PARITY
+# Four paths, each a database round trip per step: 400 traces of each took 20 s in each
+# PostgreSQL env; the nightly tier runs them all.
+@hypothesis_settings(parent=parity.PARITY, max_examples=sized(150, 400))
 @given(parity.traces())
 def test_sql_and_python_agree_on_every_decision(path, case):
     """Decisions, values, retry_after, full_after and stored states, bit for bit."""
     replay(path, *case, note=event)
 
 
-@parity.PARITY
+@hypothesis_settings(parent=parity.PARITY, max_examples=sized(150, 400))
 @given(parity.near_ties())
 def test_sql_and_python_agree_on_near_ties(path, case):
     replay(path, *case, note=event)
