@@ -42,8 +42,20 @@ _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 FALLBACKS: Counter[str] = Counter()
 
 
+#: Values no longer than this are parsed once per process and remembered: every limited
+#: request parses its REMOTE_ADDR, and ``ipaddress`` costs more than the rest of the key.
+#: Longer ones (no address is) are parsed each time, so the memory stays bounded.
+_REMEMBERED_LENGTH = 80
+
+
 def parse_ip(value: str) -> IPAddress | None:
     """Parse one address as proxies write it: brackets, ports and zone ids allowed."""
+    if len(value) <= _REMEMBERED_LENGTH:
+        return _parse_remembered(value)
+    return _parse(value)
+
+
+def _parse(value: str) -> IPAddress | None:
     text = value.strip()
     if not text or len(text) > 64:
         return None
@@ -65,6 +77,11 @@ def parse_ip(value: str) -> IPAddress | None:
         if address in _NAT64:
             return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return address
+
+
+# Addresses are immutable and the parse depends on nothing else; a client rotating
+# values costs at most maxsize entries of at most _REMEMBERED_LENGTH characters.
+_parse_remembered = lru_cache(maxsize=4096)(_parse)
 
 
 def _is_int_in(value: object, low: int, high: float) -> bool:

@@ -48,6 +48,10 @@ DEFAULTS: dict[str, Any] = {
     # Operations: at most one warning per limit per this many seconds when the store
     # fails (see django_tokenbucket.logs); 0 logs every failure.
     "LOG_INTERVAL": 10,
+    # Whether Django's django.request logger writes its WARNING for every 429 the
+    # decorator and the middleware answer. Off: a flood of refused requests would be a
+    # flood of log lines; the limiter logs one INFO line per key that starts being denied.
+    "LOG_DENIED_REQUESTS": False,
     # Scheduled reserved work (see django_tokenbucket.celery.CELERY_DEFAULTS).
     "CELERY": {},
     # None, "prometheus" or "opentelemetry" (see django_tokenbucket.metrics).

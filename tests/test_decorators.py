@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from asgiref.sync import sync_to_async
 from django.contrib.auth import get_user_model
@@ -154,6 +156,28 @@ def test_rate_limited_raised_in_a_view_becomes_429(client):
     response = client.get("/raises/?who=a")
     assert response.status_code == 429 and response["Retry-After"] == "60"
     assert response["Cache-Control"] == "no-store"
+
+
+@pytest.mark.parametrize("path", ["/inline-ip/", "/raises/?who=flood"], ids=["decorator", "RateLimited raised"])
+def test_a_flood_of_429s_is_not_a_flood_of_log_lines(client, caplog, path):
+    """Django logs every 4xx response at WARNING; the 429s of this library are left out, or
+    a flood would write a line per request. The limiter's own INFO line says, once, that
+    the key started being denied. LOG_DENIED_REQUESTS brings Django's lines back."""
+
+    def lines(logger: str) -> list[logging.LogRecord]:
+        return [record for record in caplog.records if record.name == logger]
+
+    with override_settings(TOKENBUCKET=BASE_SETTINGS), caplog.at_level(logging.INFO):
+        codes = statuses(client, path, 12)
+    assert codes.count(429) >= 10
+    assert lines("django.request") == []
+    denials = lines("django_tokenbucket")
+    assert len(denials) == 1 and "started denying key" in denials[0].getMessage()
+
+    caplog.clear()
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, "LOG_DENIED_REQUESTS": True}), caplog.at_level(logging.INFO):
+        assert statuses(client, path, 2) == [429, 429]
+    assert [(record.levelname, record.status_code) for record in lines("django.request")] == [("WARNING", 429)] * 2
 
 
 def test_store_failure_answers_503_not_500(client):

@@ -10,7 +10,8 @@ from django.test import RequestFactory, override_settings
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from django_tokenbucket.ip import FALLBACKS, client_ip, normalize_ip
+from django_tokenbucket import ip as ip_module
+from django_tokenbucket.ip import FALLBACKS, client_ip, normalize_ip, parse_ip
 
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
@@ -139,3 +140,24 @@ def test_addresses_in_one_64_share_a_key(address, suffix):
 def test_arbitrary_text_never_crashes(text):
     result = normalize_ip(text)
     assert result is None or isinstance(result, str)
+
+
+@given(st.one_of(st.ip_addresses().map(str), st.text(max_size=100)))
+def test_a_remembered_parse_is_the_parse(value):
+    # Twice: the second answer comes from the memory of the first.
+    first, second = parse_ip(value), parse_ip(value)
+    assert first == second == ip_module._parse(value)
+
+
+def test_rotating_or_oversized_values_keep_the_parse_memory_bounded():
+    ip_module._parse_remembered.cache_clear()
+    rng = random.Random(7)
+    for _ in range(20_000):
+        assert parse_ip(str(ipaddress.IPv4Address(rng.getrandbits(32)))) is not None
+    huge = " " * 10_000 + "198.51.100.7"
+    assert parse_ip(huge) == ipaddress.IPv4Address("198.51.100.7")  # padding is stripped
+    info = ip_module._parse_remembered.cache_info()
+    assert info.currsize == info.maxsize == 4096
+    misses = info.misses
+    parse_ip(huge)
+    assert ip_module._parse_remembered.cache_info().misses == misses  # never a key of the memory

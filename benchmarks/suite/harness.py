@@ -36,8 +36,13 @@ CONFIG_ENV = "TOKENBUCKET_BENCH_CONFIG"
 
 #: The modes of the single-process phase: key of call ``i`` from the batch's parameter.
 #: fresh: ``param`` keys in turn, each full again by its next turn (every decision admits:
-#: a write); hot: one key (mostly denials); stored: random keys among ``k1..k{param}``.
-MODES = ("fresh", "hot")
+#: a write); hot: one key (mostly denials); new: a key never decided before in every call
+#: (on the database, an INSERT; ``param`` bounds the batch's random offset, which keeps
+#: batches apart); stored: random keys among ``k1..k{param}``.
+MODES = ("fresh", "hot", "new")
+
+#: The ``param`` of the new-keys mode: offsets drawn from 2^62 never meet.
+NEW_KEYS = 2**62
 
 
 def keys_for(mode: str, param: int, offset: int) -> Callable[[int], str]:
@@ -45,6 +50,8 @@ def keys_for(mode: str, param: int, offset: int) -> Callable[[int], str]:
         return lambda i: f"d:{(i + offset) % param}"
     if mode == "hot":
         return lambda i: "hot"
+    if mode == "new":
+        return lambda i: f"n:{offset}:{i}"
     if mode == "stored":
         pick = random.Random(offset)
         return lambda i: f"k{pick.randint(1, param)}"
@@ -231,7 +238,7 @@ class Host:
         import sys
 
         adapter = self.adapters(spec)[name]
-        keys = keys_for(mode, param, 0)
+        keys = keys_for(mode, param, random.randrange(param) if mode == "new" else 0)
         if mode == "hot":
             self._drain(adapter)
         profiler = cProfile.Profile()

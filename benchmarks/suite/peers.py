@@ -25,7 +25,8 @@ Phases:
    BEGIN and COMMIT included) and redis-py's sends.
 3. one process: p50/p99 latency and decisions/s on fresh keys (1,000 keys in turn, each
    full again by its next turn: every decision admits, and writes) and on one hot key
-   (mostly denials).
+   (mostly denials), and on new keys (a key no call has decided before: on the database,
+   an INSERT).
 4. ``--processes`` (8) processes on one hot key, started together by a barrier, per
    adapter (a pool of processes per configuration): decisions/s, and admitted against
    what the algorithm allows in that time.
@@ -637,6 +638,13 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         ),
         row(
             "database",
+            "new keys (an INSERT) p50 ≤ 1.3× a raw durable one-row `UPDATE` (issue 35)",
+            ratio(p50("new", db), p50("new", "UPDATE 1 row")),
+            1.3,
+            "lower",
+        ),
+        row(
+            "database",
             "8 processes, hot key: ≥ 5× the textbook ORM",
             ratio(mp(db), mp("textbook ORM")),
             5.0,
@@ -650,13 +658,14 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             "higher",
         ),
     ]
-    for mode, label in (("fresh", "fresh keys"), ("hot", "hot key")):
+    for mode, label in (("fresh", "fresh keys"), ("hot", "hot key"), ("new", "new keys")):
         rows += [
             row(
                 "redis",
-                f"{label} p50 ≤ 1.15× a raw `EVALSHA`",
+                # Issue 19 asked ≤ 1.15×; issue 35 asks ≤ 1.1× on new keys and on a hot key.
+                f"{label} p50 ≤ {1.15 if mode == 'fresh' else 1.1}× a raw `EVALSHA`",
                 ratio(p50(mode, redis), p50(mode, "raw EVALSHA")),
-                1.15,
+                1.15 if mode == "fresh" else 1.1,
                 "lower",
             ),
             row(
@@ -744,19 +753,21 @@ def print_report(result: dict[str, Any]) -> None:
     header = (
         f"{'adapter':30} {'process':19} {'RT/dec':>7} "
         f"{'p50 µs':>8} {'p99 µs':>8} {'dec/s':>7} "
-        f"{'hot p50':>8} {'hot p99':>8} {'hot/s':>7} {'allow%':>6} "
+        f"{'hot p50':>8} {'hot p99':>8} {'hot/s':>7} {'allow%':>6} {'new p50':>8} "
         f"{f'{procs}p hot/s':>9} {'admitted':>9} {'allowed':>8} {'over':>5}"
     )
     print(header)
     print("-" * len(header))
     for name, meta in result["adapters"].items():
         d, h, mp, rt = single["fresh"][name], single["hot"][name], many.get(name, {}), trips.get(name, {})
+        new = single["new"][name]
         trip = rt.get("sql", 0) + rt.get("redis", 0)
         allowed = mp.get("allowed")
         print(
             f"{name:30} {meta['config'] + ' #' + str(meta['pid']):19} {trip:7.2f} "
             f"{d['p50_us']:8.0f} {d['p99_us']:8.0f} {d['per_second']:7,} "
-            f"{h['p50_us']:8.0f} {h['p99_us']:8.0f} {h['per_second']:7,} {100 * h['allowed_share']:6.1f} "
+            f"{h['p50_us']:8.0f} {h['p99_us']:8.0f} {h['per_second']:7,} "
+            f"{100 * h['allowed_share']:6.1f} {new['p50_us']:8.0f} "
             f"{mp.get('per_second', 0):9,} {mp.get('admitted', 0):9,} "
             f"{'-' if allowed is None else allowed:>8} {'-' if allowed is None else mp['over_admitted']:>5}"
         )
@@ -781,7 +792,7 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def print_targets(rows: list[dict[str, Any]]) -> None:
-    print("\nTargets (issue 19), ratios from this run:")
+    print("\nTargets (issues 19 and 35), ratios from this run:")
     for row in rows:
         mark = {True: "met", False: "MISSED", None: "n/a"}[row["met"]]
         print(f"  {mark:6} {row['value']!s:>6}  (target {row['limit']})  {row['group']}: {row['target']}")
@@ -856,7 +867,9 @@ def main() -> None:
             for name, worker in where.items():  # rows and keys exist: the steady state
                 worker.call("warm", "bench", name, "fresh", distinct, distinct)
             print(f"one process: {rounds} rounds × {len(adapters)} adapters × 2 modes × {seconds} s ...", flush=True)
-            single = harness.interleaved(where, "bench", rounds, seconds, {"fresh": distinct, "hot": 0})
+            single = harness.interleaved(
+                where, "bench", rounds, seconds, {"fresh": distinct, "hot": 0, "new": harness.NEW_KEYS}
+            )
 
             scale = None
             if rows and {"tokenbucket db", "SELECT 1"} <= set(where):
@@ -867,7 +880,7 @@ def main() -> None:
             for name in args.profile.split(",") if args.profile else []:
                 if name not in where:
                     raise SystemExit(f"--profile {name!r}: not an adapter of this run")
-                for mode, param in (("fresh", distinct), ("hot", 0)):
+                for mode, param in (("fresh", distinct), ("hot", 0), ("new", harness.NEW_KEYS)):
                     profiles[f"{name}, {mode}"] = where[name].call("profile", "bench", name, mode, param, 2.0)
 
             memory: dict[str, Any] = {}

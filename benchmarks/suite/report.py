@@ -121,6 +121,7 @@ def adapter_rows(peers: dict[str, Any], store: str) -> list[list[str]]:
                 _n(hot["p50_us"]),
                 _n(hot["p99_us"]),
                 f"{_n(hot['per_second'])} ({100 * hot['allowed_share']:.0f} %)",
+                _n(single.get("new", {}).get(name, {}).get("p50_us")),
                 _n(mp.get("per_second")),
                 admitted,
             ]
@@ -139,6 +140,7 @@ ADAPTER_HEADER = [
     "hot key p50 µs",
     "p99 µs",
     "decisions/s (allowed)",
+    "new keys p50 µs",
     "8 processes, hot key: decisions/s",
     "admitted / allowed",
 ]
