@@ -70,6 +70,10 @@ OPS_PER_DENIAL = 0.01
 THROUGHPUT_RATIO = 10.0
 PING_RATIO = 0.1
 FAIL_OPEN_SLACK = 1.1
+#: The server counts every transaction or command of the flood's processes, the overrides'
+#: refresh (one per process every MAX_AGE) and connection set-up included: a few dozen in
+#: ~60,000 operations, on or off alike. "No higher" allows that much (0.1 %).
+OPS_NOISE = 0.001
 
 
 def _p(values: list[float], q: float) -> float:
@@ -526,7 +530,7 @@ def verdicts(result: dict[str, Any]) -> list[str]:
         max_keys = result["settings"]["deny_cache"]["MAX_KEYS"]
         biggest = max(b_on["deny_cache_size"])
         say(
-            biggest <= max_keys and b_on["ops_per_denial"] <= b_off["ops_per_denial"],
+            biggest <= max_keys and b_on["ops_per_denial"] <= b_off["ops_per_denial"] * (1 + OPS_NOISE),
             f"{label}, {result['settings']['keys']:,} rotating keys: deny cache ≤ MAX_KEYS ({max_keys:,}) and store "
             f"operations per decision no higher than without it: largest cache {biggest:,} keys, "
             f"RSS {max(b_on['maxrss_mib']):g} vs {max(b_off['maxrss_mib']):g} MiB (on vs off, largest process); "

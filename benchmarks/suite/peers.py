@@ -866,7 +866,7 @@ def main() -> None:
                 trips |= worker.call("round_trips", "bench")
             for name, worker in where.items():  # rows and keys exist: the steady state
                 worker.call("warm", "bench", name, "fresh", distinct, distinct)
-            print(f"one process: {rounds} rounds × {len(adapters)} adapters × 2 modes × {seconds} s ...", flush=True)
+            print(f"one process: {rounds} rounds × {len(adapters)} adapters × 3 modes × {seconds} s ...", flush=True)
             single = harness.interleaved(
                 where, "bench", rounds, seconds, {"fresh": distinct, "hot": 0, "new": harness.NEW_KEYS}
             )
