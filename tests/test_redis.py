@@ -853,3 +853,81 @@ def test_listing_through_a_client_that_decodes_responses():
         [bucket] = backend.list_buckets(config).buckets
         assert bucket.digest == encode_key("decoded").digest and bucket.state.value == 3 * MICRO
         assert backend.reset_all(config) == 1 and limiter.get_value("login", "decoded") == 5
+
+
+# -- the spare connections decisions hand to each other -----------------------------------
+
+
+def _spare_links(backend: RedisBackend) -> list:
+    spares = getattr(backend.client().connection_pool, "_django_tokenbucket_spares", None)
+    return [] if spares is None else spares.links
+
+
+def test_a_decision_after_the_server_closed_its_connection_connects_again(backend):
+    """A spare whose socket the server closed (a restart, a failover, idle clients timed
+    out) is checked before use, as the pool checks what it lends: the call connects again
+    instead of failing."""
+    with frozen_clock(T0):
+        assert limiter.limit("ten_per_minute", "closed").ok
+        spares = _spare_links(backend)
+        assert spares
+        for spare in spares:
+            host, port = spare._sock.getsockname()[:2]
+            assert backend.client().client_kill_filter(addr=f"{host}:{port}", skipme=True) == 1
+        statuses = [limiter.limit("ten_per_minute", "closed") for _ in range(3)]  # raises on a store failure
+    assert [status.ok for status in statuses] == [True] * 3
+    assert [status.value for status in statuses] == [8.0, 7.0, 6.0]  # the store decided each
+
+
+def test_spares_are_at_most_a_quarter_of_the_pools_connections():
+    """The pool counts a spare in use for good: the cache's other users keep three
+    quarters of max_connections. A blocking pool keeps its own lending."""
+    from django_tokenbucket.backends.redis.connections import give_back, lease
+
+    where = {"host": settings.REDIS_HOST, "port": settings.REDIS_PORT, "max_connections": 8}
+    pool = redis.ConnectionPool(**where)
+    blocking = redis.BlockingConnectionPool(**where)
+    try:
+        links = [lease(pool) for _ in range(5)]
+        assert len({id(link) for link in links}) == 5
+        for link in links:
+            give_back(pool, link)
+        assert pool._django_tokenbucket_spares.links == links[:2]
+        assert len(pool._in_use_connections) == 2 and len(pool._available_connections) == 3
+        assert lease(pool) is links[1]  # a spare, not a connection the pool lends
+
+        link = lease(blocking)
+        give_back(blocking, link)
+        assert not hasattr(blocking, "_django_tokenbucket_spares")
+        assert blocking.pool.qsize() == 8  # every connection back in the pool's queue
+    finally:
+        pool.disconnect()
+        blocking.disconnect()
+
+
+def test_a_forked_child_never_writes_to_its_parents_spares(backend):
+    """Two processes on one socket would read each other's replies."""
+    import multiprocessing
+
+    def ports() -> set[int]:
+        return {link._sock.getsockname()[1] for link in _spare_links(backend)}
+
+    with frozen_clock(T0):
+        assert limiter.limit("ten_per_minute", "forked").ok
+    parents = ports()
+    assert parents
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+
+    def child() -> None:
+        with frozen_clock(T0):
+            status = limiter.limit("ten_per_minute", "forked")
+        queue.put((status.ok, status.value, ports()))
+
+    process = context.Process(target=child)
+    process.start()
+    ok, value, own = queue.get(timeout=30)
+    process.join(30)
+    assert (ok, value) == (True, 8.0) and own and not own & parents
+    with frozen_clock(T0):
+        assert limiter.limit("ten_per_minute", "forked").value == 7.0  # the parent's spares still in step

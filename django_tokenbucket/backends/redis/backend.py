@@ -71,8 +71,9 @@ from .checks import check_cache
 from .connections import (
     ClusterConnectionFactory,
     _may_have_run,
-    _pooled_connection,
     _single_server_pool,
+    give_back,
+    lease,
     run_on_link,
     script_pool,
 )
@@ -329,7 +330,7 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
             now = _microseconds(replies[1]) if now is None else now
             return self._read_outcome(request, replies[0], now, apply=apply)
         try:
-            link = _pooled_connection(pool)
+            link = lease(pool)
         except (RedisError, OSError) as exc:
             raise self._failed(exc) from exc  # nothing was sent
         try:
@@ -347,7 +348,7 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
             link.disconnect()
             raise
         finally:
-            pool.release(link)
+            give_back(pool, link)
         return self._read_outcome(request, raw, now, apply=apply)
 
     async def _aread(
