@@ -141,6 +141,16 @@ class _Spares:
 
 #: The attribute of a pool that holds its _Spares: they live and go with the pool.
 _SPARES = "_django_tokenbucket_spares"
+_spares_made = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    # A fork while another thread held the lock would leave the child's copy held.
+    global _spares_made
+    _spares_made = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _spares_of(pool: Any) -> _Spares | None:
@@ -151,8 +161,11 @@ def _spares_of(pool: Any) -> _Spares | None:
         most = getattr(pool, "max_connections", 0) // 4
         if most < 1 or hasattr(pool, "queue_class"):
             return None
-        spares = _Spares(most)
-        setattr(pool, _SPARES, spares)
+        with _spares_made:  # two threads' first calls must not keep two lists
+            spares = getattr(pool, _SPARES, None)
+            if spares is None or spares.pid != os.getpid():
+                spares = _Spares(most)
+                setattr(pool, _SPARES, spares)
     return spares
 
 
