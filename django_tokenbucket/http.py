@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TypeVar
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
@@ -47,18 +47,11 @@ def default_response(request: HttpRequest, status: Status | None) -> HttpRespons
     return HttpResponse(detail, status=429, content_type="text/plain; charset=utf-8")
 
 
-#: ``RESPONSE`` paths and what they name: importing again on every denial costs a flood.
-_factories: dict[str, Callable[[HttpRequest, Status | None], HttpResponse]] = {}
-
-
 def rate_limited_response(request: HttpRequest, status: Status | None) -> HttpResponse:
     """Build the 429 response (``TOKENBUCKET["RESPONSE"]``) and add the headers it must carry."""
     factory = tokenbucket_settings.RESPONSE
     if isinstance(factory, str):
-        path = factory
-        factory = _factories.get(path)
-        if factory is None:
-            factory = _factories[path] = import_string(path)
+        factory = import_string(factory)  # Django's cached_import: a dict lookup once imported
     response: HttpResponse = factory(request, status)
     if status is not None and status.retry_after_header is not None and not response.has_header("Retry-After"):
         response["Retry-After"] = str(status.retry_after_header)

@@ -659,13 +659,14 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         ),
     ]
     for mode, label in (("fresh", "fresh keys"), ("hot", "hot key"), ("new", "new keys")):
+        # Issue 19 asked ≤ 1.15×; issue 35 asks ≤ 1.1× on new keys and on a hot key.
+        floor = 1.15 if mode == "fresh" else 1.1
         rows += [
             row(
                 "redis",
-                # Issue 19 asked ≤ 1.15×; issue 35 asks ≤ 1.1× on new keys and on a hot key.
-                f"{label} p50 ≤ {1.15 if mode == 'fresh' else 1.1}× a raw `EVALSHA`",
+                f"{label} p50 ≤ {floor}× a raw `EVALSHA`",
                 ratio(p50(mode, redis), p50(mode, "raw EVALSHA")),
-                1.15 if mode == "fresh" else 1.1,
+                floor,
                 "lower",
             ),
             row(

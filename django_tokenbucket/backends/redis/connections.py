@@ -100,21 +100,18 @@ def run_on_link(pool: Any, *command: Any) -> Any:
         raise
     try:
         link.send_packed_command(link.pack_command(*command))
-        reply = link.read_response()
+        return link.read_response()
     except ResponseError:
-        give_back(pool, link)  # the reply was read: the connection is in step
-        raise
+        raise  # the reply was read: the connection is in step
     except (RedisError, OSError) as exc:
         link.disconnect()
-        give_back(pool, link)
         exc.tokenbucket_sent = True  # type: ignore[union-attr]
         raise
     except BaseException:
         link.disconnect()
-        give_back(pool, link)
         raise
-    give_back(pool, link)
-    return reply
+    finally:
+        give_back(pool, link)
 
 
 class _Spares:
