@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
@@ -44,17 +44,18 @@ def default_response(request: HttpRequest, status: Status | None) -> HttpRespons
         detail += f" Retry in {retry_after} second{'s' if retry_after != 1 else ''}."
     if _wants_json(request):
         return JsonResponse({"detail": detail, "retry_after": retry_after}, status=429)
-    return HttpResponse(detail, status=429, content_type="text/plain; charset=utf-8")
+    # The charset given, not left for Django to find in the content type per response.
+    return HttpResponse(detail, status=429, content_type="text/plain; charset=utf-8", charset="utf-8")
 
 
 def rate_limited_response(request: HttpRequest, status: Status | None) -> HttpResponse:
     """Build the 429 response (``TOKENBUCKET["RESPONSE"]``) and add the headers it must carry."""
-    factory = tokenbucket_settings.RESPONSE
-    if isinstance(factory, str):
-        factory = import_string(factory)  # Django's cached_import: a dict lookup once imported
+    factory = _response_factory(tokenbucket_settings.RESPONSE)
     response: HttpResponse = factory(request, status)
-    if status is not None and status.retry_after_header is not None and not response.has_header("Retry-After"):
-        response["Retry-After"] = str(status.retry_after_header)
+    retry_after = None if status is None else status.retry_after_header
+    # A factory of the project's may have set its own; ours never does.
+    if retry_after is not None and (factory is default_response or not response.has_header("Retry-After")):
+        response["Retry-After"] = str(retry_after)
     # RFC 6585: a 429 must not be stored by a cache.
     response["Cache-Control"] = "no-store"
     if not tokenbucket_settings.LOG_DENIED_REQUESTS:
@@ -63,6 +64,22 @@ def rate_limited_response(request: HttpRequest, status: Status | None) -> HttpRe
         # cached denial's 91 µs through a view; logs.DenialLog writes a line per key instead.
         response._has_been_logged = True  # type: ignore[attr-defined]
     return response
+
+
+_imported_factory: tuple[str, Callable[[HttpRequest, Status | None], HttpResponse]] | None = None
+
+
+def _response_factory(
+    setting: str | Callable[[HttpRequest, Status | None], HttpResponse],
+) -> Callable[[HttpRequest, Status | None], HttpResponse]:
+    """Return ``RESPONSE`` as a callable: a dotted path is imported once while it stays the setting."""
+    global _imported_factory
+    if not isinstance(setting, str):
+        return setting
+    imported = _imported_factory
+    if imported is None or imported[0] != setting:
+        imported = _imported_factory = (setting, import_string(setting))
+    return imported[1]
 
 
 def unavailable_response(request: HttpRequest, exc: BackendUnavailable) -> HttpResponse:

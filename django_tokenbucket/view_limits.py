@@ -14,6 +14,7 @@ import inspect
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Union
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
@@ -120,6 +121,12 @@ class ViewLimit:
         """Return the limit a request takes from, given what the rate callable returned (if any)."""
         return plan_limit_of(self.name, self.rate, returned)
 
+    @cached_property
+    def inline_limit(self) -> LimitConfig | None:
+        """The inline ``config`` parsed, once (it depends on nothing else); None for a named limit,
+        which is looked up in the settings in force on each request."""
+        return None if self.config is None else limiter.resolve(self.name, self.config)
+
     def request_for(self, request: HttpRequest) -> LimitRequest | None:
         """Return what ``request`` takes from this limit, or None when it does not count."""
         if not self.counts(request):
@@ -129,14 +136,14 @@ class ViewLimit:
             return None
         # Never an async def here: the decorator refuses one on a sync view, and plans it
         # with arequest_for on an async one.
-        config: LimitConfig | dict[str, Any] | None = self.config
+        config = self.inline_limit
         if self.rate is not None:
             config = self.limit_for(self.rate(request))
             if config is None:
                 return None  # the plan exempts this request: nothing is counted
         count: Any = self.count
         weight = count(request) if callable(count) else count
-        return LimitRequest(config.name if isinstance(config, LimitConfig) else self.name, ident, weight, config=config)
+        return LimitRequest(self.name if config is None else config.name, ident, weight, config=config)
 
     async def arequest_for(self, request: HttpRequest) -> LimitRequest | None:
         """``request_for`` on an event loop: a key or count that is an ``async def`` is awaited."""
@@ -146,7 +153,7 @@ class ViewLimit:
         ident = await key(request) if iscoroutinefunction(key) else request_key(request, key)
         if ident is None:
             return None
-        config: LimitConfig | dict[str, Any] | None = self.config
+        config = self.inline_limit
         rate: Any = self.rate
         if rate is not None:
             config = self.limit_for(await rate(request) if iscoroutinefunction(rate) else rate(request))
@@ -157,7 +164,7 @@ class ViewLimit:
             weight = await count(request)
         else:
             weight = count(request) if callable(count) else count
-        return LimitRequest(config.name if isinstance(config, LimitConfig) else self.name, ident, weight, config=config)
+        return LimitRequest(self.name if config is None else config.name, ident, weight, config=config)
 
     def counts(self, request: HttpRequest) -> bool:
         """Whether this limit counts requests of ``request``'s method."""

@@ -91,6 +91,20 @@ def test_post_field_key_and_method_filter(client):
     assert client.get("/login/").status_code == 200  # GET is not counted (method=UNSAFE)
 
 
+def test_a_named_limit_is_read_from_the_settings_in_force_on_each_request(client):
+    """An inline limit is parsed once per view; one named in LIMITS is not: its entry may change."""
+    assert client.post("/login/", {"username": "carol"}).status_code == 200
+    stricter = {**BASE_SETTINGS, "LIMITS": {**BASE_SETTINGS["LIMITS"], "login": {"rate": 1, "period": 3600}}}
+    with override_settings(TOKENBUCKET=stricter):
+        assert client.post("/login/", {"username": "dave"}).status_code == 200
+        assert client.post("/login/", {"username": "dave"}).status_code == 429
+    assert statuses_of_posts(client, "erin", 2) == [200, 200]  # 5 a minute again
+
+
+def statuses_of_posts(client, username, n):
+    return [client.post("/login/", {"username": username}).status_code for _ in range(n)]
+
+
 def test_missing_field_falls_back_to_the_address_not_a_shared_bucket(client):
     for _ in range(5):
         client.post("/login/", {}, REMOTE_ADDR="10.2.0.1")
@@ -195,12 +209,24 @@ def test_response_is_replaceable(client):
         statuses(client, "/inline-ip/", 2)
         response = client.get("/inline-ip/")
     assert response.status_code == 418 and response["Retry-After"] == "30"
+    # The factory is imported once, and only while it is the setting.
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, "RESPONSE": "tests.test_decorators.teapot_that_knows_better"}):
+        response = client.get("/inline-ip/")
+    assert response.status_code == 418 and response["Retry-After"] == "3600"  # the factory's own is kept
+    response = client.get("/inline-ip/")
+    assert response.status_code == 429 and response["Retry-After"] == "30" and b"Too many requests" in response.content
 
 
 def teapot(request, status):
     from django.http import HttpResponse
 
     return HttpResponse("slow down", status=418)
+
+
+def teapot_that_knows_better(request, status):
+    response = teapot(request, status)
+    response["Retry-After"] = "3600"
+    return response
 
 
 class TestRateLimitHeaders:

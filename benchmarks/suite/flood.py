@@ -22,8 +22,9 @@ during each flood: its p99 is what the rest of the application sees.
 Then, in one process per configuration, sequentially and in interleaved rounds: a denial
 through ``limiter.limit`` (from memory when the cache is on), a Redis PING, and a denied
 request through a ``@ratelimit`` function view and a DRF view with our throttle, next to
-the same views without limiting, all through Django's WSGIHandler with a RequestFactory
-environ. And item 7: ``FAIL_OPEN`` with the database backend's ``TIMEOUT`` at 20 ms, 8
+the same views without limiting and the same views refusing every request themselves
+(the framework's own 429: what a denial costs at the least), all through Django's
+WSGIHandler with a RequestFactory environ. And item 7: ``FAIL_OPEN`` with the database backend's ``TIMEOUT`` at 20 ms, 8
 processes on one fresh key of 100 + 10/s for ``--seconds``: what the store admitted and what
 failing open let through, against the bound 100 + 10 x seconds.
 
@@ -74,6 +75,25 @@ FAIL_OPEN_SLACK = 1.1
 #: refresh (one per process every MAX_AGE) and connection set-up included: a few dozen in
 #: ~60,000 operations, on or off alike. "No higher" allows that much (0.1 %).
 OPS_NOISE = 0.001
+#: The views of the sequential phase (benchmarks/suite/flood_views.py) and what each answers.
+VIEW_STATUSES = {
+    "/fn/plain/": 200,
+    "/fn/refused/": 429,
+    "/fn/limited/": 429,
+    "/drf/plain/": 200,
+    "/drf/refused/": 429,
+    "/drf/limited/": 429,
+}
+#: Item 4's comparisons: a denial from memory through a view, against the same view
+#: refusing by itself and against it answering 200 with no limiting.
+VIEW_DENIALS = {
+    "function view": (
+        "function view + @ratelimit, denied",
+        "function view answering 429 itself",
+        "function view, no limiting",
+    ),
+    "DRF view": ("DRF view + our throttle, denied", "DRF view raising Throttled itself", "DRF view, no throttle"),
+}
 
 
 def _p(values: list[float], q: float) -> float:
@@ -190,9 +210,7 @@ def _sequential(rounds: int, calls: int, requests: int) -> dict[str, Any]:
 
     handler = WSGIHandler()
     factory = RequestFactory()
-    environs = {
-        path: factory.get(path).environ for path in ("/fn/plain/", "/fn/limited/", "/drf/plain/", "/drf/limited/")
-    }
+    environs = {path: factory.get(path).environ for path in VIEW_STATUSES}
     statuses: dict[str, set[int]] = {path: set() for path in environs}
 
     def get(path: str) -> None:
@@ -223,8 +241,10 @@ def _sequential(rounds: int, calls: int, requests: int) -> dict[str, Any]:
         "limiter.limit denial": (deny, calls),
         "Redis PING": (ping, calls),
         "function view, no limiting": (lambda: get("/fn/plain/"), requests),
+        "function view answering 429 itself": (lambda: get("/fn/refused/"), requests),
         "function view + @ratelimit, denied": (lambda: get("/fn/limited/"), requests),
         "DRF view, no throttle": (lambda: get("/drf/plain/"), requests),
+        "DRF view raising Throttled itself": (lambda: get("/drf/refused/"), requests),
         "DRF view + our throttle, denied": (lambda: get("/drf/limited/"), requests),
     }
     samples: dict[str, list[float]] = {name: [] for name in timed}
@@ -464,7 +484,7 @@ def run_backend(backend: str, redis_server: Any, args: argparse.Namespace, resul
             row["rotating"] = flood(group, counter, "rotating", None, args.keys, args.seconds)
             print(f"  (b) rotating keys: {json.dumps(row['rotating'])}", flush=True)
             row["sequential"] = group.one("sequential", rounds=args.rounds, calls=args.calls, requests=args.requests)
-            expected = {"/fn/plain/": [200], "/fn/limited/": [429], "/drf/plain/": [200], "/drf/limited/": [429]}
+            expected = {path: [code] for path, code in VIEW_STATUSES.items()}
             if row["sequential"]["statuses"] != expected:
                 raise SystemExit(f"{config}: the views answered {row['sequential']['statuses']}, not {expected}")
             print(f"  sequential: {json.dumps(row['sequential'])}", flush=True)
@@ -548,6 +568,22 @@ def verdicts(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def view_denials(result: dict[str, Any]) -> list[str]:
+    """Item 4 in figures (not a target): a denial from memory through each view, with the cache on."""
+    lines = []
+    for backend, label in BACKENDS.items():
+        seq = result["configs"][f"{backend}-on"]["sequential"]["p50_us"]
+        parts = []
+        for view, (denied, refused, plain) in VIEW_DENIALS.items():
+            ours, own, bare = seq[denied], seq[refused], seq[plain]
+            parts.append(
+                f"{view} {ours:g} µs: {ours - own:+.1f} µs ({ours / own:.2f}×) on the view refusing by itself "
+                f"({own:g} µs), {ours / bare:.2f}× the view answering 200 ({bare:g} µs)"
+            )
+        lines.append(f"{label}, cache on, a denial from memory through a view (item 4): " + "; ".join(parts))
+    return lines
+
+
 def _n(value: float, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
@@ -564,6 +600,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{s['seconds']:g} s a flood, `DENY_CACHE` {s['deny_cache']}).",
         "",
         *(f"- {line}" for line in verdicts(result)),
+        *(f"- {line}" for line in view_denials(result)),
         "",
         "| backend | deny cache | flood | decisions/s | store ops per denial | from memory | admitted "
         "| deny_cache.size() (largest process) | RSS per process (largest) | probe SELECT p50 / p99 |",

@@ -2,7 +2,9 @@
 
 A function view and a DRF view, each without limiting and with ours at one request an
 hour per address, so that after the first request every one is denied: what a denied
-request costs through Django's request handling, next to that handling alone.
+request costs through Django's request handling, next to that handling alone and next
+to the same view refusing every request itself (the framework's own 429, with no
+limiter: what a denial costs at the least).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 from django.urls import path
+from rest_framework.exceptions import Throttled
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.throttling import BaseThrottle
@@ -31,6 +34,19 @@ def limited(request: HttpRequest) -> HttpResponse:
     return plain(request)
 
 
+def refused(request: HttpRequest) -> HttpResponse:
+    """Baseline of a denial: the function view answering 429 itself, as ours does.
+
+    Marked as logged, as our 429s are (``LOG_DENIED_REQUESTS``): Django's WARNING per
+    response is no part of what either costs.
+    """
+    response = HttpResponse(b"Too many requests.", status=429, content_type="text/plain; charset=utf-8")
+    response["Retry-After"] = "3600"
+    response["Cache-Control"] = "no-store"
+    response._has_been_logged = True  # type: ignore[attr-defined]
+    return response
+
+
 class PlainAPIView(APIView):
     """Baseline: the DRF view without a throttle."""
 
@@ -46,9 +62,18 @@ class ThrottledAPIView(PlainAPIView):
     throttle_classes = [throttling.AnonRateThrottle]
 
 
+class RefusingAPIView(PlainAPIView):
+    """Baseline of a denial: the DRF view refusing as DRF's throttles make it refuse."""
+
+    def get(self, request: Request) -> Response:
+        raise Throttled(wait=3600)
+
+
 urlpatterns: list[Any] = [
     path("fn/plain/", plain),
     path("fn/limited/", limited),
+    path("fn/refused/", refused),
     path("drf/plain/", PlainAPIView.as_view()),
     path("drf/limited/", ThrottledAPIView.as_view()),
+    path("drf/refused/", RefusingAPIView.as_view()),
 ]
