@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import threading
 from typing import Any
 
@@ -120,7 +121,7 @@ class _Spares:
     redis-py's ``get_connection`` and ``release`` cost 5 µs a call together (a lock,
     events, observability): about 7 % of a decision, and what stood between the Redis
     backend and issue 35's floor (1.1× a raw ``EVALSHA``). A decision takes a spare
-    instead, checked as the pool checks what it lends (a socket the server closed is
+    instead, checked for what the pool checks in what it lends (a socket the server closed is
     connected again, not written to), and puts it back after its reply, or after
     disconnecting it when the call failed. The pool lends each spare once and counts it
     in use from then on, so the spares are at most a quarter of its ``max_connections``:
@@ -181,7 +182,7 @@ def lease(pool: Any) -> Any:
             # spare that a failed call disconnected connects here too, so that a failure
             # to connect is raised before anything is sent.
             try:
-                stale = link.can_read()
+                stale = _closed_by_server(link)
             except (RedisError, OSError):
                 stale = True
             if stale:
@@ -193,6 +194,32 @@ def lease(pool: Any) -> Any:
                     raise
             return link
     return _pooled_connection(pool)
+
+
+#: A spare's poll(2) object and the socket it watches (a reconnection makes another socket).
+_WATCH = "_django_tokenbucket_watch"
+_POLLS = hasattr(select, "poll")  # not on Windows
+
+
+def _closed_by_server(link: Any) -> bool:
+    """Whether ``link`` is disconnected, or has something to read before anything was
+    asked (the server closed it): what the pool's ``can_read()`` check tells, in one
+    poll(2) where that makes four system calls (the socket made non-blocking, a read,
+    and back). A RESP3 push message waiting on the socket counts as closed: the link
+    connects again, which is always safe; one already in the parser's buffer is read
+    by the next ``read_response``, as after ``can_read()``.
+    """
+    sock = getattr(link, "_sock", None)
+    if sock is None:
+        return True
+    if not _POLLS or not hasattr(link, "__dict__"):
+        return bool(link.can_read())
+    watch = link.__dict__.get(_WATCH)
+    if watch is None or watch[0] is not sock:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        watch = link.__dict__[_WATCH] = (sock, poller)
+    return bool(watch[1].poll(0))
 
 
 def give_back(pool: Any, link: Any) -> None:
