@@ -72,7 +72,11 @@ _imported_factory: tuple[str, Callable[[HttpRequest, Status | None], HttpRespons
 def _response_factory(
     setting: str | Callable[[HttpRequest, Status | None], HttpResponse],
 ) -> Callable[[HttpRequest, Status | None], HttpResponse]:
-    """Return ``RESPONSE`` as a callable: a dotted path is imported once while it stays the setting."""
+    """Return ``RESPONSE`` as a callable: a dotted path is imported once while it stays the setting.
+
+    Django's ``import_string`` caches the module, not the lookup: it splits the path and
+    finds the module and the attribute again on every call, about 1 µs of each denial.
+    """
     global _imported_factory
     if not isinstance(setting, str):
         return setting

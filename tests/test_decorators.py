@@ -35,6 +35,10 @@ def statuses(client, path, n, **extra):
     return [client.get(path, **extra).status_code for _ in range(n)]
 
 
+def statuses_of_posts(client, username, n):
+    return [client.post("/login/", {"username": username}).status_code for _ in range(n)]
+
+
 def test_blocks_with_429_retry_after_and_no_store(client, clock):
     assert statuses(client, "/inline-ip/", 2) == [200, 200]
     clock.advance(10)
@@ -99,10 +103,6 @@ def test_a_named_limit_is_read_from_the_settings_in_force_on_each_request(client
         assert client.post("/login/", {"username": "dave"}).status_code == 200
         assert client.post("/login/", {"username": "dave"}).status_code == 429
     assert statuses_of_posts(client, "erin", 2) == [200, 200]  # 5 a minute again
-
-
-def statuses_of_posts(client, username, n):
-    return [client.post("/login/", {"username": username}).status_code for _ in range(n)]
 
 
 def test_missing_field_falls_back_to_the_address_not_a_shared_bucket(client):
