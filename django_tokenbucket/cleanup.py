@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from . import overrides
 from .backends import row_backend
 from .backends.base import MAX_BATCH_SIZE, UNKNOWN_IDLE, CleanupReport
 from .limits import LimitConfig
@@ -61,11 +62,15 @@ def cleanup(
     between batches to leave the database to live traffic (default: none, except 0.1 s
     on SQLite, whose waiting writers poll for the lock). Unless ``dry_run``, the
     database's denial analytics past their retention are trimmed too
-    (``report.analytics_trimmed``).
+    (``report.analytics_trimmed``). Overrides that expired more than
+    ``OVERRIDES["KEEP_EXPIRED"]`` ago (of ``names``, if given) are deleted from the
+    database that holds them (``report.overrides_removed``; counted on a dry run).
     """
     if limits is None:
         limits = cleanup_limits()
-    return row_backend(database).cleanup(
+    if names is not None:
+        names = list(names)  # read twice
+    report = row_backend(database).cleanup(
         limits,
         names=names,
         batch_size=batch_size,
@@ -75,3 +80,5 @@ def cleanup(
         max_seconds=max_seconds,
         pause=pause,
     )
+    report.overrides_removed = overrides.remove_expired(names=names, dry_run=dry_run)
+    return report

@@ -33,7 +33,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -94,6 +94,10 @@ EXEMPT = "exempt"
 BLOCK = "block"
 ACTIONS = (LIMIT, EXEMPT, BLOCK)
 DEFAULT_MAX_AGE = 5.0
+#: Seconds an expired override is kept (the admin shows it, its reason and author) before
+#: cleanup deletes it: 30 days.
+DEFAULT_KEEP_EXPIRED = 30 * 24 * 3600
+_MOST_KEPT = 100 * 365 * 24 * 3600
 #: The fields of a ``limit`` override, as LimitConfig and the model name them.
 NUMBERS = ("rate", "period", "capacity", "max_reserved")
 
@@ -104,11 +108,15 @@ class Settings:
 
     #: Seconds a snapshot is used before the version stamp is read again.
     max_age: float
+    #: Seconds after its expiry that cleanup deletes an override; None keeps them all.
+    keep_expired: float | None = DEFAULT_KEEP_EXPIRED
 
 
 def parse(value: object) -> Settings | None:
     """Return the ``OVERRIDES`` setting validated (None: off); ValueError says what is wrong."""
-    value = feature_options("OVERRIDES", value, {"MAX_AGE": DEFAULT_MAX_AGE})
+    value = feature_options(
+        "OVERRIDES", value, {"MAX_AGE": DEFAULT_MAX_AGE, "KEEP_EXPIRED": DEFAULT_KEEP_EXPIRED}
+    )
     if value is None:
         return None
     max_age = value.get("MAX_AGE", DEFAULT_MAX_AGE)
@@ -117,7 +125,15 @@ def parse(value: object) -> Settings | None:
             f"TOKENBUCKET['OVERRIDES']['MAX_AGE'] must be a number of seconds above 0 and at most 3600, "
             f"not {max_age!r}"
         )
-    return Settings(float(max_age))
+    keep = value.get("KEEP_EXPIRED", DEFAULT_KEEP_EXPIRED)
+    if keep is not None and (
+        isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 <= keep <= _MOST_KEPT
+    ):
+        raise ValueError(
+            f"TOKENBUCKET['OVERRIDES']['KEEP_EXPIRED'] must be a number of seconds from 0 to {_MOST_KEPT} (100 "
+            f"years), or None to keep expired overrides for good, not {keep!r}"
+        )
+    return Settings(float(max_age), None if keep is None else float(keep))
 
 
 @dataclass(frozen=True)
@@ -522,6 +538,28 @@ def delete(name: str, digest: str) -> int:
             _bump(alias)
     if removed:
         _changed(alias)
+    return int(removed)
+
+
+def remove_expired(*, names: Iterable[str] | None = None, dry_run: bool = False) -> int:
+    """Delete the overrides that expired more than ``KEEP_EXPIRED`` ago (of limits ``names``,
+    or all); return how many went (would go, with ``dry_run``). Cleanup calls it.
+
+    An expired override applies nowhere already, so nothing changes for any decision and
+    no process has to read the overrides again. Nothing is done while overrides are off
+    (the tables may not exist) or ``KEEP_EXPIRED`` is None.
+    """
+    found = active()
+    if found is None or found.keep_expired is None:
+        return 0
+    overrides, _ = _models()
+    before = _as_datetime(clock.app_now() - round(found.keep_expired * MICRO))
+    rows = overrides.objects.using(database_alias()).filter(expires_at__lt=before)
+    if names is not None:
+        rows = rows.filter(name__in=list(names))
+    if dry_run:
+        return int(rows.count())
+    removed, _by_model = rows.delete()
     return int(removed)
 
 

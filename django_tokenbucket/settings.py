@@ -62,7 +62,7 @@ DEFAULTS: dict[str, Any] = {
     # Overrides made while the site runs (limiter.override, exempt, block) are seen by
     # every process within MAX_AGE seconds (see django_tokenbucket.overrides); False
     # turns them off, and with them the query each process makes per MAX_AGE.
-    "OVERRIDES": {"MAX_AGE": 5.0},
+    "OVERRIDES": {"MAX_AGE": 5.0, "KEEP_EXPIRED": 30 * 24 * 3600},
     # Per-minute allowed/denied counts and the most denied keys, written to each limit's
     # store once per FLUSH seconds per process (see django_tokenbucket.analytics): for
     # the admin's charts and `tokenbucket top/stats`. None (off) or {"FLUSH": 10, ...}.

@@ -15,6 +15,7 @@ import multiprocessing
 import time
 from datetime import UTC, datetime, timedelta
 from functools import partial
+from io import StringIO
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ from asgiref.sync import async_to_sync, sync_to_async
 from django.conf import settings
 from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
 from django.db import connection, connections, transaction
 from django.test import RequestFactory, override_settings
 from django.test.utils import CaptureQueriesContext
@@ -31,6 +33,7 @@ from prometheus_client import REGISTRY
 from django_tokenbucket import LimitRequest, deny_cache, limiter, overrides
 from django_tokenbucket import api as api_module
 from django_tokenbucket.backends import get_backend
+from django_tokenbucket.cleanup import cleanup
 from django_tokenbucket.keys import Redacted, encode_key
 from django_tokenbucket.models import LimitOverride
 from django_tokenbucket.request_keys import request_key
@@ -381,7 +384,14 @@ def test_overrides_off_refuses_to_make_one(backend):
 
 
 def test_checks_reject_a_bad_setting():
-    for value, words in [("yes", "must be False or a dict"), ({"MAX_AGE": 0}, "MAX_AGE"), ({"TTL": 1}, "'TTL'")]:
+    for value, words in [
+        ("yes", "must be False or a dict"),
+        ({"MAX_AGE": 0}, "MAX_AGE"),
+        ({"TTL": 1}, "'TTL'"),
+        ({"KEEP_EXPIRED": -1}, "KEEP_EXPIRED"),
+        ({"KEEP_EXPIRED": "30d"}, "KEEP_EXPIRED"),
+        ({"KEEP_EXPIRED": 10**12}, "100 years"),
+    ]:
         with override_settings(TOKENBUCKET={**BASE_SETTINGS, "OVERRIDES": value}):
             errors = [m for m in run_checks() if m.id == "django_tokenbucket.E052"]
             assert len(errors) == 1 and words in errors[0].msg, (value, errors)
@@ -389,6 +399,38 @@ def test_checks_reject_a_bad_setting():
                 overrides.active()
     with override_settings(TOKENBUCKET={**BASE_SETTINGS, "OVERRIDES": False}):
         assert [m for m in run_checks() if m.id == "django_tokenbucket.E052"] == []
+
+
+def test_cleanup_deletes_the_overrides_expired_longer_ago_than_keep_expired(transactional_db):
+    """A table of temporary blocks must not only grow; an expired override stays for the
+    admin's history for KEEP_EXPIRED, and its deletion changes no decision."""
+    kept_an_hour = {**BASE_SETTINGS, "LIMITS": LIMITS, "OVERRIDES": {"MAX_AGE": MAX_AGE, "KEEP_EXPIRED": 3600}}
+    with override_settings(TOKENBUCKET=kept_an_hour), frozen_clock(T0) as clock:
+        limiter.block("login", "old", until=timedelta(seconds=10), reason="last month's incident")
+        limiter.block("other", "old", until=timedelta(seconds=10))
+        limiter.exempt("login", "recent", until=timedelta(seconds=3000))
+        limiter.block("login", "forever")
+        clock.advance(3700)  # "old" expired 3,690 s ago, "recent" 700 s ago
+        assert limiter.limit("login", "old").override is None
+        assert cleanup(names=["login"], dry_run=True).overrides_removed == 1
+        assert LimitOverride.objects.count() == 4
+        report = cleanup(names=["login"])
+        assert report.overrides_removed == 1 and report.as_dict()["overrides_removed"] == 1
+        assert sorted(LimitOverride.objects.values_list("name", "label")) == [
+            ("login", "forever"),
+            ("login", "recent"),
+            ("other", "old"),
+        ]
+        out = StringIO()
+        call_command("tokenbucket", "cleanup", stdout=out)
+        assert "Deleted 1 override(s) expired longer ago than OVERRIDES['KEEP_EXPIRED']" in out.getvalue()
+        assert limiter.limit("login", "forever").override == "block"
+        assert limiter.limit("login", "old").ok and limiter.limit("login", "old").override is None
+
+    for setting in ({"MAX_AGE": MAX_AGE, "KEEP_EXPIRED": None}, False):
+        with override_settings(TOKENBUCKET={**kept_an_hour, "OVERRIDES": setting}), frozen_clock(T0 + 10**8):
+            assert cleanup().overrides_removed == 0
+    assert LimitOverride.objects.count() == 2
 
 
 def test_exempt_and_blocked_calls_are_counted_by_their_outcome(backend, clock):

@@ -115,6 +115,8 @@ class CleanupReport:
     dry_run: bool = False
     #: Denial-analytics rows deleted past their retention (``trim_analytics``); 0 on a dry run.
     analytics_trimmed: int = 0
+    #: Overrides deleted (on a dry run: that would be) past ``OVERRIDES["KEEP_EXPIRED"]``.
+    overrides_removed: int = 0
 
     @property
     def deleted_total(self) -> int:
@@ -138,6 +140,7 @@ class CleanupReport:
             "complete": self.complete,
             "dry_run": self.dry_run,
             "analytics_trimmed": self.analytics_trimmed,
+            "overrides_removed": self.overrides_removed,
         }
 
 

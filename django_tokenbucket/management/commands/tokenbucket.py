@@ -430,6 +430,10 @@ class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
                 self.stdout.write(f"  {name}: {deleted}")
         if report.analytics_trimmed:
             self.stdout.write(f"Trimmed {report.analytics_trimmed} denial-analytics row(s) past their retention.")
+        if report.overrides_removed:
+            self.stdout.write(
+                f"{verb} {report.overrides_removed} override(s) expired longer ago than OVERRIDES['KEEP_EXPIRED']."
+            )
         if not report.complete:
             self.stdout.write("Stopped at --max-seconds; the next run continues.")
         if report.unknown:
