@@ -36,11 +36,14 @@ from django_tokenbucket.backends.base import Request
 from django_tokenbucket.backends.database import DatabaseBackend
 from django_tokenbucket.backends.database.postgresql import (
     _PRODUCT_BOUND,
+    _SESSION,
     ADMIT_STATEMENT_MARK,
     FUNCTION_NAME,
     FUNCTIONS_SQL,
     READ_STATEMENT_MARK,
     SINGLE_STATEMENT_MARK,
+    UNSENT,
+    _Read,
     decide_in_server,
     decide_one,
     drop_sql,
@@ -321,6 +324,62 @@ def test_a_statement_the_session_lost_is_sent_and_prepared_again(backend):
         ("EXECUTE", "admit"),
         ("EXECUTE", "admit"),
     ]
+
+
+
+@contextmanager
+def observer() -> Iterator[Callable[[int], str]]:
+    """A second connection, returning the last statement the server ran for a backend pid."""
+    import psycopg
+
+    with psycopg.connect(**connection.get_connection_params(), autocommit=True) as other:
+        yield lambda pid: other.execute("SELECT query FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()[0]
+
+
+def test_a_prepared_statement_is_bound_by_the_protocol_not_quoted_into_an_execute(backend):
+    """Once prepared, a decision's values go to the server apart from the statement
+    (libpq's Bind and Execute): the server runs the prepared text, not an ``EXECUTE``
+    with the values quoted into it as Django's cursor would send them."""
+    with frozen_clock(T0), observer() as last_statement_of:
+        assert limiter.limit("ten_per_minute", "bound").value == 9  # sent, and the session learned
+        for expected in (8, 7):  # prepared, then bound
+            assert limiter.limit("ten_per_minute", "bound").value == expected
+            assert last_statement_of(connection.connection.info.backend_pid).startswith(
+                f"PREPARE {ADMIT_STATEMENT_MARK} "
+            )
+        for _ in range(2):  # a check (what would be left): the read, prepared and bound likewise
+            assert limiter.check("ten_per_minute", "bound").value == 6
+        assert last_statement_of(connection.connection.info.backend_pid).startswith(f"PREPARE {READ_STATEMENT_MARK} ")
+        assert limiter.get_value("ten_per_minute", "bound") == 7
+
+
+def test_a_bound_statement_the_session_lost_is_sent_then_prepared_again(backend):
+    """After DEALLOCATE ALL, binding fails before anything ran: the decision is sent as
+    it is (spending once), and the next one prepares and binds again."""
+    with frozen_clock(T0), observer() as last_statement_of:
+        for expected in (9, 8, 7):
+            assert limiter.limit("ten_per_minute", "lost").value == expected
+        with connection.cursor() as cursor:
+            cursor.execute("DEALLOCATE ALL")
+        for expected in (6, 5, 4):
+            assert limiter.limit("ten_per_minute", "lost").value == expected
+        assert last_statement_of(connection.connection.info.backend_pid).startswith(f"PREPARE {ADMIT_STATEMENT_MARK} ")
+    assert RateLimit.objects.get(name="ten_per_minute").value == 4 * MICRO
+
+
+def test_text_the_protocol_cannot_carry_is_left_to_the_cursor(backend):
+    """A text parameter is a C string to libpq, which a NUL would cut short, reading
+    another key: the binder leaves such a value to the cursor (no limit name, digest or
+    label holds one), which refuses it."""
+    import psycopg
+
+    limiter.check("ten_per_minute", "nul")  # the session and its read statement
+    limiter.check("ten_per_minute", "nul")
+    session = getattr(connection, _SESSION)
+    values = {"pinned": None, "name": "ten_per_minute", "key": "a\x00b"}
+    assert session.bind(_Read, values) is UNSENT
+    with pytest.raises(psycopg.DataError, match="NUL"):
+        session.cursor.execute(_Read.execute, values)
 
 
 def test_a_denied_fresh_key_creates_no_row(backend):

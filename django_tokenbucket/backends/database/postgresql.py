@@ -28,7 +28,7 @@ them to the same answers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
@@ -152,6 +152,8 @@ class _Statement:
         f"SELECT * FROM {_SINGLE_NAME}({', '.join(f'${n}' for n in range(1, 16))})"
     )
     execute = f"EXECUTE {name} ({_PLACEHOLDERS})"
+    #: Its values come as a sequence, in the order of the parameters.
+    order: tuple[str, ...] | None = None
 
 
 class _Read:
@@ -170,6 +172,7 @@ class _Read:
     text = f"/* {name} */ " + _body.format("%(pinned)s", "%(name)s", "%(key)s")
     prepare = f"PREPARE {name} (bigint, text, text) AS " + _body.format("$1", "$2", "$3")
     execute = f"EXECUTE {name} (%(pinned)s, %(name)s, %(key)s)"
+    order = ("pinned", "name", "key")
 
 
 #: Times the statements below decide (±2^61 µs, as django_tokenbucket_single_v3).
@@ -242,6 +245,7 @@ class _Admit:
             **{n: f"${i}" for i, (n, _) in enumerate(self.parameters, start=1)}
         )
         self.execute = f"EXECUTE {self.name} ({', '.join(f'%({n})s' for n, _ in self.parameters)})"
+        self.order = tuple(n for n, _ in self.parameters)
 
 
 #: The compare-and-set writes of the read-first path: they match nothing if another
@@ -261,17 +265,95 @@ _ADMIT = _Admit()
 
 
 class _Session:
-    """What the fast path keeps for one driver connection: a cursor of its own, and the
+    """What the fast path keeps for one driver connection: a cursor of its own, the
     names of the statements prepared on it (None where it must not prepare: a pooler
-    stands between it and PostgreSQL; ``unknown`` until its first statement tells)."""
+    stands between it and PostgreSQL; ``unknown`` until its first statement tells), and
+    how to run those statements without the cursor (``_Bind``; None with psycopg2)."""
 
-    __slots__ = ("cursor", "prepared", "raw", "unknown")
+    __slots__ = ("bind", "cursor", "prepared", "raw", "unknown")
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self.cursor = raw.cursor()
         self.prepared: set[str] | None = None
         self.unknown = True
+        self.bind = _Bind.of(raw)
+
+
+#: Parsers of the text a prepared statement's columns come back as, by type OID:
+#: boolean, bigint, smallint, integer (every column the statements return).
+_COLUMN_PARSERS: dict[int, Callable[[bytes], Any]] = {16: lambda text: text == b"t", 20: int, 21: int, 23: int}
+
+
+class _Bind:
+    """Runs a statement already prepared on the session with the protocol's own Bind and
+    Execute (libpq's ``PQsendQueryPrepared``, through psycopg's ``pq``), its parameters
+    sent apart from the text.
+
+    Django's psycopg cursor binds parameters into the text on the client (``EXECUTE
+    name ('...', ...)``) and runs its whole ``execute`` machinery for it: ~25 µs of
+    Python a decision against the ~90 µs round trip (issue 35, the database hot key).
+    The server runs the same prepared plan either way. The statement names a ``PREPARE``
+    made on this session: SQL's and the protocol's prepared statements are one namespace.
+    Only for psycopg 3, whose ``pq`` this reaches; psycopg's own waiting is kept (an
+    interrupted wait cancels the query, as a cursor's would).
+    """
+
+    __slots__ = ("encoding", "error_from_result", "execute", "pgconn", "raw", "tuples_ok")
+
+    def __init__(self, raw: Any) -> None:
+        from psycopg import errors, generators, pq
+
+        self.raw = raw
+        self.pgconn = raw.pgconn
+        self.execute = generators.execute
+        self.error_from_result = errors.error_from_result
+        self.tuples_ok = pq.ExecStatus.TUPLES_OK
+        self.encoding = raw.info.encoding
+
+    @classmethod
+    def of(cls, raw: Any) -> _Bind | None:
+        """The binder of driver connection ``raw``; None where it is not psycopg 3's."""
+        try:
+            return cls(raw)
+        except (ImportError, AttributeError):
+            return None
+
+    def __call__(self, statement: Any, values: Any) -> Any:
+        """Run ``statement`` with ``values`` (a mapping for a statement with an ``order``)
+        and return its first row (None if none), or ``UNSENT`` for a value the protocol
+        cannot carry as it is (text with a NUL, which no name, digest or label holds):
+        the cursor then says why."""
+        params: list[bytes | None] = []
+        for value in values if statement.order is None else [values[name] for name in statement.order]:
+            if value is None:
+                params.append(None)
+            elif value is True or value is False:
+                params.append(b"t" if value else b"f")
+            elif isinstance(value, int):
+                params.append(b"%d" % value)
+            elif isinstance(value, str) and "\x00" not in value:
+                # A text parameter is a C string to libpq: a NUL would cut it short.
+                params.append(value.encode(self.encoding))
+            else:
+                return UNSENT
+        pgconn = self.pgconn
+        with self.raw.lock:
+            pgconn.send_query_prepared(statement.name.encode(), params)
+            results = self.raw.wait(self.execute(pgconn))
+        result = results[-1]
+        if result.status != self.tuples_ok:
+            raise self.error_from_result(result, encoding=self.encoding)
+        if not result.ntuples:
+            return None
+        return tuple(
+            None if (text := result.get_value(0, column)) is None else _COLUMN_PARSERS[result.ftype(column)](text)
+            for column in range(result.nfields)
+        )
+
+
+#: What ``_Bind`` returns for values it leaves to the cursor.
+UNSENT = object()
 
 
 #: The attribute of a Django connection (thread-local already) that holds the _Session
@@ -337,6 +419,10 @@ def _fetch(connection: Any, statement: Any, values: Any, prepare: str | bool, pi
                     if statement.name not in prepared:
                         cursor.execute(statement.prepare)
                         prepared.add(statement.name)
+                    if session.bind is not None and cursor is session.cursor:
+                        row = session.bind(statement, values)
+                        if row is not UNSENT:
+                            return row
                     cursor.execute(statement.execute, values)
                     return cursor.fetchone()
                 except Exception as exc:
