@@ -88,7 +88,6 @@ class TokenBucketSettings:
     """
 
     def __init__(self) -> None:
-        self._cache: dict[str, Any] = {}
         self._limits: dict[str, LimitConfig] | None = None
         self._backends: dict[str, BackendSettings] | None = None
 
@@ -100,11 +99,13 @@ class TokenBucketSettings:
         return value
 
     def __getattr__(self, attr: str) -> Any:
+        # Reached only for a setting not read since the last reload: the value is then
+        # kept as an instance attribute, which later reads find without this method
+        # (several a decision, on every request).
         if attr not in DEFAULTS:
             raise AttributeError(f"invalid TOKENBUCKET setting {attr!r}")
-        if attr not in self._cache:
-            self._cache[attr] = self.user_settings.get(attr, DEFAULTS[attr])
-        return self._cache[attr]
+        value = self.__dict__[attr] = self.user_settings.get(attr, DEFAULTS[attr])
+        return value
 
     def limits(self) -> dict[str, LimitConfig]:
         """Return every limit in ``LIMITS``, parsed; raise ImproperlyConfigured on the first bad one."""
@@ -124,7 +125,8 @@ class TokenBucketSettings:
         return self._backends
 
     def reload(self) -> None:
-        self._cache.clear()
+        for attr in DEFAULTS:
+            self.__dict__.pop(attr, None)
         self._limits = None
         self._backends = None
 

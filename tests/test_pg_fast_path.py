@@ -36,18 +36,17 @@ from django_tokenbucket.backends.base import Request
 from django_tokenbucket.backends.database import DatabaseBackend
 from django_tokenbucket.backends.database.postgresql import (
     _PRODUCT_BOUND,
-    _SESSION,
     ADMIT_STATEMENT_MARK,
     FUNCTION_NAME,
     FUNCTIONS_SQL,
     READ_STATEMENT_MARK,
     SINGLE_STATEMENT_MARK,
-    UNSENT,
     _Read,
     decide_in_server,
     decide_one,
     drop_sql,
 )
+from django_tokenbucket.backends.database.session import REPLAN_EVERY, SESSION_ATTRIBUTE, UNSENT
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.models import LimitOverride, OverridesVersion, RateLimit
 from django_tokenbucket.testing import frozen_clock
@@ -375,7 +374,7 @@ def test_text_the_protocol_cannot_carry_is_left_to_the_cursor(backend):
 
     limiter.check("ten_per_minute", "nul")  # the session and its read statement
     limiter.check("ten_per_minute", "nul")
-    session = getattr(connection, _SESSION)
+    session = getattr(connection, SESSION_ATTRIBUTE)
     values = {"pinned": None, "name": "ten_per_minute", "key": "a\x00b"}
     assert session.bind(_Read, values) is UNSENT
     with pytest.raises(psycopg.DataError, match="NUL"):
@@ -497,6 +496,51 @@ def test_the_read_first_statement_planned_on_an_empty_table_still_finds_rows_by_
         for i in range(3):
             assert limiter.check("ten_per_minute", f"late{i}").ok
         assert index_entries_read() - before < 50
+
+
+def rows_read() -> int:
+    """Return how many rows of the rate-limit table the server has read so far, by index
+    entries and by sequential scans."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(
+            "SELECT idx_tup_fetch + seq_tup_read FROM pg_stat_user_tables WHERE relname = 'django_tokenbucket_ratelimit'"
+        )
+        return int(cursor.fetchone()[0])
+
+
+def test_plans_made_while_the_table_was_analyzed_small_are_made_again(backend):
+    """Analyzed at a few rows, the table's cheapest lookup by key is a sequential scan and
+    a sort, and the session keeps that plan (the prepared statements' and the functions')
+    until the table is analyzed again: every decision then reads the whole table as it
+    grows. Each connection drops its plans every REPLAN_EVERY seconds."""
+    with frozen_clock(T0):
+        for i in range(10):
+            limiter.limit("ten_per_minute", f"early{i}")
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE django_tokenbucket_ratelimit")
+        for i in range(10):  # past the five custom plans: generic plans, from ten rows
+            limiter.limit("ten_per_minute", f"early{i}")  # the admission statement
+            limiter.check("ten_per_minute", f"early{i}")  # the read
+            limiter.limit("ten_per_minute", f"early{i}", count=10)  # denied: the function
+        with connection.cursor() as cursor:  # the same connection: the same cached plans
+            cursor.execute(
+                "INSERT INTO django_tokenbucket_ratelimit (name, key, label, value, ts) "
+                "SELECT 'ten_per_minute', md5(g::text), '', 0, 0 FROM generate_series(1, 20000) g"
+            )
+
+        def rows_read_by_decisions() -> int:
+            before = rows_read()
+            limiter.limit("ten_per_minute", "late")
+            limiter.check("ten_per_minute", "late")
+            limiter.limit("ten_per_minute", "late", count=10)
+            return rows_read() - before
+
+        assert rows_read_by_decisions() > 20000  # the cliff, while the plans are kept
+        getattr(connection, SESSION_ATTRIBUTE).replan_at = 0.0  # REPLAN_EVERY has passed
+        assert rows_read_by_decisions() < 50
+        assert getattr(connection, SESSION_ATTRIBUTE).replan_at > time.monotonic() + REPLAN_EVERY - 5
 
 
 @pytest.mark.parametrize("options, most", [({}, None), ({"ASYNC_COMMIT": True}, 25)], ids=["durable", "async"])

@@ -28,14 +28,13 @@ them to the same answers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
-from django.db import DatabaseError
-
 from ...algorithms import CLOCK_SKEW_TOLERANCE, Decision, State, lowest_value, token_bucket_taken
 from ..base import Outcome, Request, RowId, row_id
+from .session import fetch, prepares_on, write
 
 __all__ = [
     "ADMIT_STATEMENT_MARK",
@@ -73,8 +72,6 @@ ADMIT_STATEMENT_MARK = f"{_PREFIX}admit_v{FUNCTION_VERSION}"
 
 #: SQLSTATE of a call to a function that does not exist (the migration not applied).
 UNDEFINED_FUNCTION = "42883"
-#: SQLSTATE of an EXECUTE of a prepared statement the session does not have.
-_NO_SUCH_STATEMENT = "26000"
 
 #: Values of the backend's ``PREPARE`` option: "auto" prepares on connections found to
 #: reach PostgreSQL itself, True on every connection, False on none.
@@ -264,198 +261,6 @@ _INSERT = (
 _ADMIT = _Admit()
 
 
-class _Session:
-    """What the fast path keeps for one driver connection: a cursor of its own, the
-    names of the statements prepared on it (None where it must not prepare: a pooler
-    stands between it and PostgreSQL; ``unknown`` until its first statement tells), and
-    how to run those statements without the cursor (``_Bind``; None with psycopg2)."""
-
-    __slots__ = ("bind", "cursor", "prepared", "raw", "unknown")
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-        self.cursor = raw.cursor()
-        self.prepared: set[str] | None = None
-        self.unknown = True
-        self.bind = _Bind.of(raw)
-
-
-#: Parsers of the text a prepared statement's columns come back as, by type OID:
-#: boolean, bigint, smallint, integer (every column the statements return).
-_COLUMN_PARSERS: dict[int, Callable[[bytes], Any]] = {16: lambda text: text == b"t", 20: int, 21: int, 23: int}
-
-
-class _Bind:
-    """Runs a statement already prepared on the session with the protocol's own Bind and
-    Execute (libpq's ``PQsendQueryPrepared``, through psycopg's ``pq``), its parameters
-    sent apart from the text.
-
-    Django's psycopg cursor binds parameters into the text on the client (``EXECUTE
-    name ('...', ...)``) and runs its whole ``execute`` machinery for it: ~25 µs of
-    Python a decision against the ~90 µs round trip (issue 35, the database hot key).
-    The server runs the same prepared plan either way. The statement names a ``PREPARE``
-    made on this session: SQL's and the protocol's prepared statements are one namespace.
-    Only for psycopg 3, whose ``pq`` this reaches; psycopg's own waiting is kept (an
-    interrupted wait cancels the query, as a cursor's would).
-    """
-
-    __slots__ = ("encoding", "error_from_result", "execute", "pgconn", "raw", "tuples_ok")
-
-    def __init__(self, raw: Any) -> None:
-        from psycopg import errors, generators, pq
-
-        self.raw = raw
-        self.pgconn = raw.pgconn
-        self.execute = generators.execute
-        self.error_from_result = errors.error_from_result
-        self.tuples_ok = pq.ExecStatus.TUPLES_OK
-        self.encoding = raw.info.encoding
-
-    @classmethod
-    def of(cls, raw: Any) -> _Bind | None:
-        """The binder of driver connection ``raw``; None where it is not psycopg 3's."""
-        try:
-            return cls(raw)
-        except (ImportError, AttributeError):
-            return None
-
-    def __call__(self, statement: Any, values: Any) -> Any:
-        """Run ``statement`` with ``values`` (a mapping for a statement with an ``order``)
-        and return its first row (None if none), or ``UNSENT`` for a value the protocol
-        cannot carry as it is (text with a NUL, which no name, digest or label holds):
-        the cursor then says why."""
-        params: list[bytes | None] = []
-        for value in values if statement.order is None else [values[name] for name in statement.order]:
-            if value is None:
-                params.append(None)
-            elif value is True or value is False:
-                params.append(b"t" if value else b"f")
-            elif isinstance(value, int):
-                params.append(b"%d" % value)
-            elif isinstance(value, str) and "\x00" not in value:
-                # A text parameter is a C string to libpq: a NUL would cut it short.
-                params.append(value.encode(self.encoding))
-            else:
-                return UNSENT
-        pgconn = self.pgconn
-        with self.raw.lock:
-            pgconn.send_query_prepared(statement.name.encode(), params)
-            results = self.raw.wait(self.execute(pgconn))
-        result = results[-1]
-        if result.status != self.tuples_ok:
-            raise self.error_from_result(result, encoding=self.encoding)
-        if not result.ntuples:
-            return None
-        return tuple(
-            None if (text := result.get_value(0, column)) is None else _COLUMN_PARSERS[result.ftype(column)](text)
-            for column in range(result.nfields)
-        )
-
-
-#: What ``_Bind`` returns for values it leaves to the cursor.
-UNSENT = object()
-
-
-#: The attribute of a Django connection (thread-local already) that holds the _Session
-#: of its current driver connection: it lives and goes with the connection.
-_SESSION = "_django_tokenbucket_session"
-
-
-def prepares_on(connection: Any) -> bool | None:
-    """Whether the fast path prepares its statements on ``connection``'s current driver
-    connection: None until its first fast-path statement has run there."""
-    session = getattr(connection, _SESSION, None)
-    if session is None or session.raw is not connection.connection or session.unknown:
-        return None
-    return session.prepared is not None
-
-
-def _reaches_postgresql(raw: Any, server_pid: int) -> bool:
-    """Whether the driver connection ``raw`` talks to PostgreSQL itself.
-
-    PostgreSQL tells a client the id of the process that serves it when it connects. A
-    pooler such as PgBouncer answers that itself, with a cancel key of its own making,
-    and hands each transaction to whichever server connection is free, where a named
-    prepared statement may be missing or, worse, be another client's. So the process
-    id given at connect time must be the one that runs the statement.
-    """
-    info = getattr(raw, "info", None)
-    return info is not None and getattr(info, "backend_pid", None) == server_pid
-
-
-def _driver_cursor(connection: Any) -> tuple[Any, _Session]:
-    """Return the cursor to run a fast-path statement with, and the connection's session.
-
-    Where anything observes the connection's queries (DEBUG, CaptureQueriesContext,
-    ``execute_wrapper``: debug toolbars, APM agents, assertNumQueries), a Django cursor,
-    so that they see every statement. Otherwise the session's own driver cursor, as
-    Django's cursor would prepare it but without its wrapper, which costs a decision
-    as much as the database's work beyond ``SELECT 1`` (issue 19). The caller runs it
-    inside ``connection.wrap_database_errors``, as Django's cursor does.
-    """
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    raw = connection.connection
-    session = getattr(connection, _SESSION, None)
-    if session is None or session.raw is not raw:
-        with connection.wrap_database_errors:
-            session = _Session(raw)
-        setattr(connection, _SESSION, session)
-    if connection.queries_logged or connection.execute_wrappers:
-        return connection.cursor(), session
-    connection.validate_thread_sharing()
-    return session.cursor, session
-
-
-def _fetch(connection: Any, statement: Any, values: Any, prepare: str | bool, pid_column: int) -> Any:
-    """Run ``statement`` (prepared where the connection may prepare) and return its row;
-    learn from its ``pid_column`` whether the connection reaches PostgreSQL itself."""
-    cursor, session = _driver_cursor(connection)
-    try:
-        with connection.wrap_database_errors:
-            prepared = session.prepared if prepare is not False else None
-            if prepared is not None:
-                try:
-                    if statement.name not in prepared:
-                        cursor.execute(statement.prepare)
-                        prepared.add(statement.name)
-                    if session.bind is not None and cursor is session.cursor:
-                        row = session.bind(statement, values)
-                        if row is not UNSENT:
-                            return row
-                    cursor.execute(statement.execute, values)
-                    return cursor.fetchone()
-                except Exception as exc:
-                    # The session lost it (DISCARD ALL, DEALLOCATE): learn again, meanwhile
-                    # send the statement itself. Nothing ran: the EXECUTE failed before.
-                    # (A Django cursor's error is Django's, the driver's its cause.)
-                    cause = exc.__cause__ if isinstance(exc, DatabaseError) else exc
-                    if (getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)) != _NO_SUCH_STATEMENT:
-                        raise
-                    session.prepared, session.unknown = None, True
-            cursor.execute(statement.text, values)
-            row = cursor.fetchone()
-    finally:
-        if cursor is not session.cursor:
-            cursor.close()
-    if prepare is not False and session.unknown and row is not None:
-        direct = prepare is True or _reaches_postgresql(session.raw, row[pid_column])
-        session.prepared, session.unknown = (set() if direct else None), False
-    return row
-
-
-def _write(connection: Any, sql: str, values: Sequence[Any]) -> int:
-    """Run one write of the read-first path and return how many rows it changed."""
-    cursor, session = _driver_cursor(connection)
-    try:
-        with connection.wrap_database_errors:
-            cursor.execute(sql, values)
-            return int(cursor.rowcount)
-    finally:
-        if cursor is not session.cursor:
-            cursor.close()
-
-
 def decide_one(
     connection: Any,
     request: Request,
@@ -502,7 +307,7 @@ def decide_one(
         and prepares_on(connection)
         and (pinned_now is None or 0 <= pinned_now <= _TIME_BOUND)
     ):
-        admitted = _fetch(
+        admitted = fetch(
             connection,
             _ADMIT,
             {
@@ -541,7 +346,7 @@ def decide_one(
         apply,
         async_commit,
     )
-    row = _fetch(connection, _Statement, values, prepare, 6)
+    row = fetch(connection, _Statement, values, prepare, 6)
     decided, allowed, value, retry_after, full_after, now = row[:6]
     if not decided:
         return None
@@ -560,7 +365,7 @@ def _read_first(
     then None hands the decision to the general function, which decides under the lock.
     """
     config, digest = request.config, request.key.digest
-    now, value, ts, _ = _fetch(
+    now, value, ts, _ = fetch(
         connection, _Read, {"pinned": pinned_now, "name": config.name, "key": digest}, prepare, 3
     )
     state = None if value is None else State(value, ts)
@@ -569,13 +374,13 @@ def _read_first(
     new = decision.state if apply else None
     if new is not None and new != state:
         if state is None:
-            written = _write(
+            written = write(
                 connection,
                 _INSERT.format(_ASYNC if async_commit else ""),
                 [config.name, digest, request.key.label, new.value, new.ts],
             )
         else:
-            written = _write(
+            written = write(
                 connection,
                 _UPDATE + _ASYNC if async_commit else _UPDATE,
                 [new.value, new.ts, config.name, digest, state.value, state.ts],
