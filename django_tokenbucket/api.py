@@ -127,6 +127,8 @@ class Limiter:
 
     def __init__(self, backend: BaseBackend | None = None) -> None:
         self._own_backend = backend
+        #: The ``backend`` label of every figure when this limiter has a backend of its own.
+        self._own_label = None if backend is None else type(backend).__name__
 
     def backend(self, limit: LimitConfig | None = None) -> BaseBackend:
         """Return the backend that decides ``limit`` (by default, the default alias's)."""
@@ -778,7 +780,8 @@ class Limiter:
             outcome = None
         finally:
             if recorder is not None:
-                recorder.store_seconds(self._store_label(limit), time.perf_counter() - started)
+                # On every decision: the label as _store_label gives it, without the call.
+                recorder.store_seconds(self._own_label or limit.backend, time.perf_counter() - started)
         if memory is not None and outcome is not None:
             deny_cache.remember(memory, limit, store, request.key.digest, request.count, outcome, before)
         elif outcome is not None and apply and outcome.decisions[0].allowed:
@@ -1062,7 +1065,7 @@ class Limiter:
             outcome = _outcome(status, all_ok)
             if outcome is not None:
                 if recorder is not None:
-                    recorder.decision(status.name, self._store_label(limit), outcome)
+                    recorder.decision(status.name, self._own_label or limit.backend, outcome)
                 if counting is not None:
                     self._count(counting, limit, status, outcome)
         if not status.ok and denial_log.enabled():
@@ -1226,7 +1229,7 @@ class Limiter:
 
     def _store_label(self, limit: LimitConfig) -> str:
         """The ``backend`` label of ``limit``'s figures: its alias, or the class of this limiter's own backend."""
-        return limit.backend if self._own_backend is None else type(self._own_backend).__name__
+        return self._own_label or limit.backend
 
     @staticmethod
     def _status(
@@ -1269,6 +1272,8 @@ _REFUSED = frozenset((metrics.DENIED, metrics.DENIED_CACHED, metrics.BLOCKED))
 def _outcome(status: Status, all_ok: bool) -> str | None:
     """A reported status as a metric's ``outcome``; None for a limit that another
     limit of its all-or-nothing call refused (it took nothing)."""
+    if status.ok and not (status.failed_open or status.override or status.would_deny):
+        return metrics.ALLOWED if all_ok else None  # most decisions: the rest cannot apply
     if status.failed_open:
         return metrics.FAILED_OPEN
     if status.cached:
