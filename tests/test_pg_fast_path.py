@@ -451,15 +451,20 @@ def wal_flushes() -> int:
         return int(cursor.fetchone()[0])
 
 
-def index_entries_read() -> int:
-    """Return how many index entries of the rate-limit table the server has read so far."""
+def table_statistic(sql: str) -> int:
+    """Return the server's statistics ``sql`` reads, up to date with this session's work."""
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_stat_force_next_flush()")
         cursor.execute("SELECT pg_stat_clear_snapshot()")
-        cursor.execute(
-            "SELECT sum(idx_tup_read) FROM pg_stat_user_indexes WHERE relname = 'django_tokenbucket_ratelimit'"
-        )
+        cursor.execute(sql)
         return int(cursor.fetchone()[0])
+
+
+def index_entries_read() -> int:
+    """Return how many index entries of the rate-limit table the server has read so far."""
+    return table_statistic(
+        "SELECT sum(idx_tup_read) FROM pg_stat_user_indexes WHERE relname = 'django_tokenbucket_ratelimit'"
+    )
 
 
 def test_a_connection_planned_on_an_empty_table_still_finds_rows_by_key(backend):
@@ -499,15 +504,11 @@ def test_the_read_first_statement_planned_on_an_empty_table_still_finds_rows_by_
 
 
 def rows_read() -> int:
-    """Return how many rows of the rate-limit table the server has read so far, by index
-    entries and by sequential scans."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_stat_force_next_flush()")
-        cursor.execute("SELECT pg_stat_clear_snapshot()")
-        cursor.execute(
-            "SELECT idx_tup_fetch + seq_tup_read FROM pg_stat_user_tables WHERE relname = 'django_tokenbucket_ratelimit'"
-        )
-        return int(cursor.fetchone()[0])
+    """Return how many rows of the rate-limit table the server has read so far, through
+    an index or by sequential scans."""
+    return table_statistic(
+        "SELECT idx_tup_fetch + seq_tup_read FROM pg_stat_user_tables WHERE relname = 'django_tokenbucket_ratelimit'"
+    )
 
 
 def test_plans_made_while_the_table_was_analyzed_small_are_made_again(backend):
