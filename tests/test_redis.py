@@ -35,7 +35,7 @@ from django_tokenbucket.api import Limiter
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.base import BUSY_WINDOW, BackendError, Outcome, Request
 from django_tokenbucket.backends.redis import BIGNUM_MARKER, SCRIPT, RedisBackend, state_key
-from django_tokenbucket.backends.redis.connections import _client_retries
+from django_tokenbucket.backends.redis.connections import _client_retries, packed_read
 from django_tokenbucket.backends.redis.script import MAX_TTL_MS, _decision, _make_outcome, _msgpack, _reply_outcome
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.limits import FIXED_WINDOW, LimitConfig, parse_limit
@@ -177,6 +177,27 @@ def test_a_key_denied_lately_is_denied_from_one_read_without_the_script(counting
         # A check never writes: it is read, whether or not the key was denied lately.
         assert own.check("login", "never-denied").value == 4
         assert counting.scripts == 6 and counting.reads["decided"] == 21
+
+
+@pytest.mark.parametrize("key", ["tb:1:tb:login|{9f8e}", "k" * 300, ""])
+def test_a_read_is_sent_as_redis_py_packs_it(key):
+    for commands in ([("GET", key), ("TIME",)], [("GET", key)]):
+        assert b"".join(packed_read(commands)) == b"".join(redis.Connection().pack_commands(commands))
+    assert packed_read([("GET", key + "é"), ("TIME",)]) is None  # the client's encoding packs it
+
+
+def test_a_key_prefix_beyond_ascii_is_read_first_through_the_clients_packing(backend, without_deny_cache):
+    prefix = f"{settings.REDIS_KEY_PREFIX}-clé"
+    caches_now = {**settings.CACHES, "redis": {**settings.CACHES["redis"], "KEY_PREFIX": prefix}}
+    with override_settings(CACHES=caches_now):
+        counting = CountingScripts(backend.options)
+        own = Limiter(counting)
+        try:
+            statuses = [own.limit("login", "accent") for _ in range(8)]
+            assert [s.ok for s in statuses] == [True] * 5 + [False] * 3
+            assert counting.scripts == 5 and counting.reads == {"sent": 3, "decided": 3}
+        finally:
+            counting.client().delete(counting.key(own.resolve("login"), encode_key("accent")))
 
 
 def test_a_key_reset_elsewhere_is_admitted_at_once(counting, without_deny_cache):

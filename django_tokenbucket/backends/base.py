@@ -57,6 +57,15 @@ class Request:
     reserve: bool = False
 
 
+def made_request(config: LimitConfig, key: EncodedKey, count: int, reserve: bool) -> Request:
+    """``Request(config, key, count, reserve)`` without the frozen dataclass' ``__init__``
+    (a setattr per field), on the path of every decision. tests/test_fast_path.py keeps
+    the two equal."""
+    request: Request = object.__new__(Request)
+    request.__dict__.update(config=config, key=key, count=count, reserve=reserve)
+    return request
+
+
 @dataclass(frozen=True)
 class Outcome:
     """The decisions for a list of requests, in order, and the store time they used."""
@@ -504,8 +513,8 @@ class RecentDenials:
     where reading first would cost two. A key is remembered from an outcome that leaves it
     short of one more call of the same count, until the time that call would be allowed
     (measured on this process' monotonic clock: a guess, not the store's time), and
-    forgotten when it admits with room to spare. Bounded: past ``size`` keys, the
-    oldest is forgotten.
+    forgotten when it admits with room to spare. Bounded: past ``size`` keys, the one
+    remembered first is forgotten (a key denied again keeps its place).
 
     Exactness never depends on it: both paths decide alike (tests/test_pg_fast_path.py,
     tests/test_redis.py), and a wrong guess costs only a round trip.
@@ -542,6 +551,12 @@ class RecentDenials:
         else:
             wait = decision.retry_after
         if wait <= 0:
+            return
+        if key in self._until:
+            # Denied again, as a hot key is on every call: its time moves on where it
+            # stands, one store in the dict; an eviction racing it may let it stay (one
+            # key over the bound for a moment, a hint either way).
+            self._until[key] = time.monotonic() + min(wait, _LONGEST_MEMORY) / 1e6
             return
         with self._lock:
             self._until.pop(key, None)

@@ -42,7 +42,7 @@ from rest_framework.throttling import BaseThrottle
 
 from .. import clock, registry
 from ..algorithms import MICRO
-from ..api import LimitRequest, limiter
+from ..api import LimitRequest, limit_request, limiter
 from ..exceptions import BackendUnavailable, RateLimited
 from ..http import add_ratelimit_headers
 from ..ip import client_address, ip_key
@@ -346,7 +346,7 @@ TokenBucketThrottle = SimpleRateThrottle
 def _limit_request(name: str, rate: str, key: object, count: float) -> LimitRequest:
     if isinstance(rate, LimitRate):
         return LimitRequest(rate.limit_name, key, count)
-    return LimitRequest(name, key, count, config=_scope_limit(name, rate))
+    return limit_request(name, key, count, _scope_limit(name, rate))
 
 
 @lru_cache(maxsize=256)
@@ -394,10 +394,11 @@ def _limit_all(request: DRFRequest, throttle: SimpleRateThrottle, limits: list[L
         return []
     seen = current_request.set(request)
     try:
+        # limit_many's own path, without its conversion of what are LimitRequests already.
         if throttle.timer is time.time or throttle.now is None:
-            return list(limiter.limit_many(limits))
+            return list(limiter._decide_many(limits, apply=True, throws=False))
         with clock.pinned(round(throttle.now * MICRO)):
-            return list(limiter.limit_many(limits))
+            return list(limiter._decide_many(limits, apply=True, throws=False))
     finally:
         current_request.reset(seen)
 
@@ -457,7 +458,7 @@ class AnonRateThrottle(SimpleRateThrottle):
         return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
 
     def get_key(self, request: DRFRequest, view: Any) -> object:
-        if _overridden(self, "get_cache_key", AnonRateThrottle):
+        if type(self).get_cache_key is not AnonRateThrottle.get_cache_key:  # a subclass's own
             return self.get_cache_key(request, view)
         if _authenticated(request):
             return None
@@ -476,7 +477,7 @@ class UserRateThrottle(SimpleRateThrottle):
     def get_key(self, request: DRFRequest, view: Any) -> object:
         # Keys that carry their kind read as such in the admin (a user id, an address);
         # a subclass's own get_cache_key is used as it is.
-        if _overridden(self, "get_cache_key", UserRateThrottle):
+        if type(self).get_cache_key is not UserRateThrottle.get_cache_key:
             return self.get_cache_key(request, view)
         user = _authenticated_user(request)
         if user is not None:
@@ -523,11 +524,6 @@ def _authenticated_user(request: Any) -> Any:
     """The request's user if authenticated, else None (DRF's ``request.user`` is a property)."""
     user = getattr(request, "user", None)
     return user if user is not None and user.is_authenticated else None
-
-
-def _overridden(throttle: SimpleRateThrottle, method: str, base: type) -> bool:
-    """Whether a subclass of ``base`` replaced ``method`` (its own version then applies)."""
-    return getattr(type(throttle), method) is not getattr(base, method)
 
 
 def _subclasses(cls: type[SimpleRateThrottle]) -> Iterator[type[SimpleRateThrottle]]:

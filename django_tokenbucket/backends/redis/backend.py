@@ -74,6 +74,7 @@ from .connections import (
     _single_server_pool,
     give_back,
     lease,
+    packed_read,
     run_on_link,
     script_pool,
 )
@@ -334,7 +335,7 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
         except (RedisError, OSError) as exc:
             raise self._failed(exc) from exc  # nothing was sent
         try:
-            link.send_packed_command(link.pack_commands(commands))
+            link.send_packed_command(packed_read(commands) or link.pack_commands(commands))
             raw = link.read_response()
             if now is None:
                 now = _microseconds(link.read_response())
@@ -444,8 +445,6 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
             return _microseconds(_node_clients(self.client())[0].time())
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc) from exc
-
-    # -- operations: listing, counting, resetting a whole limit --------------------------------
 
     # -- internals ------------------------------------------------------------------------
 
