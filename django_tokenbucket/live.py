@@ -72,8 +72,8 @@ class LiveState:
         return self.value / MICRO
 
 
-def live_state(limit: LimitConfig, state: State, key_digest: str, now: int) -> LiveState:
-    """Return what a row with ``state`` holds at ``now`` under ``limit``'s current config."""
+def live_state(limit: LimitConfig, state: State | None, key_digest: str, now: int) -> LiveState:
+    """Return what a row with ``state`` (None: nothing stored) holds at ``now`` under ``limit``'s current config."""
     # reserve=True makes the probe an allowed zero-token call for any value the limit
     # can hold, so the decision reports the value now without a denial's special cases.
     probe = limit.decide(state, now, 0, key_digest, reserve=True)

@@ -375,6 +375,27 @@ def test_give_n_times_and_exempt_from_any_backends_bucket_page(ops, ops_store):
     assert [e.action_flag for e in LogEntry.objects.order_by("pk")] == [ADDITION, CHANGE]
 
 
+def test_a_key_with_nothing_stored_keeps_its_page_and_can_be_blocked_from_it(ops, ops_store):
+    # A key seen denied whose bucket has filled again and, on Redis, expired: the
+    # analytics' denied keys link to this page, which must still offer the actions.
+    limiter.limit("ten_per_minute", "mallory", count=10)
+    limiter.reset("ten_per_minute", "mallory")
+    digest = encode_key("mallory").digest
+    client = client_for(make_user("root", superuser=True))
+    url = f"{BUCKETS}key/?name=ten_per_minute&digest={digest}"
+    response = client.get(url)
+    page = response.content.decode()
+    assert response.status_code == 200
+    shown = dict(re.findall(r"<tr><th[^>]*>(.*?)</th><td>(.*?)</td></tr>", page, re.S))
+    assert shown["Tokens now"] == shown["Capacity"] == "10" and shown["Key digest"] == digest
+    assert shown["Stored state"].startswith("none (reset, or full again and expired)")
+    assert "Block this key" in page and "Reset this key" not in page  # nothing to reset
+    form = {"name": "ten_per_minute", "digest": digest, "next": url, "action": "block", "for": "1h"}
+    assert client.post(f"{BUCKETS}override/", form)["Location"] == url
+    assert limiter.limit("ten_per_minute", "mallory").override == "block"
+    assert "this key" in client.get(url).content.decode()
+
+
 def test_a_limit_wide_override_shows_on_each_bucket_page_and_a_shard_offers_no_actions(ops):
     limiter.limit("ten_per_minute", "alice")
     limiter.limit("hot", "alice")

@@ -266,15 +266,11 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
         except BackendError as exc:
             self.message_user(request, str(_("The store failed: %(error)s") % {"error": exc}), messages.ERROR)
             return HttpResponseRedirect(self._url("buckets", alias, name=known.name))
-        if not page.buckets:
-            self.message_user(
-                request,
-                str(_("That key has no stored state (reset, or full again and expired): it is full.")),
-                messages.INFO,
-            )
-            return HttpResponseRedirect(self._url("buckets", alias, name=known.name))
-        bucket = page.buckets[0]
-        live = live_state(known.config, bucket.state, bucket.digest, page.now)
+        # Nothing stored: the key is full (reset, or full again and, on Redis, expired).
+        # Its page still stands, so that a key seen denied (the analytics' denied keys
+        # link here) can be blocked or exempted once its bucket is gone.
+        bucket = page.buckets[0] if page.buckets else None
+        live = live_state(known.config, None if bucket is None else bucket.state, digest, page.now)
         next_token = (
             _("available now")
             if live.next_token_after == 0
@@ -282,23 +278,29 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
         )
         fields = [
             (_("limit"), known.name),
-            (_("key"), _key_html(bucket.label, bucket.digest)),
-            (_("key digest"), bucket.digest),
+            (_("key"), _key_html("" if bucket is None else bucket.label, digest)),
+            (_("key digest"), digest),
             (_("tokens now"), format_tokens(live.value)),
             (_("capacity"), format_tokens(live.capacity)),
             (_("fill"), format_html('{} <span class="tb-percent">{}%</span>', _meter(live), round(live.fill * 100))),
             (_("full again"), _full_again(live)),
             (_("next token"), next_token),
-            (_("stored value (µ-tokens)"), f"{bucket.state.value} ({format_tokens(bucket.state.value)} tokens)"),
-            (_("last update"), _local_time(bucket.state.ts)),
-            (_("stored ts (µs since the epoch)"), str(bucket.state.ts)),
-            (_("config"), f"{describe_rate(known.config)} ({known.source})"),
         ]
+        if bucket is None:
+            fields.append((_("stored state"), _("none (reset, or full again and expired): the key is full")))
+        else:
+            fields += [
+                (_("stored value (µ-tokens)"), f"{bucket.state.value} ({format_tokens(bucket.state.value)} tokens)"),
+                (_("last update"), _local_time(bucket.state.ts)),
+                (_("stored ts (µs since the epoch)"), str(bucket.state.ts)),
+            ]
+        fields.append((_("config"), f"{describe_rate(known.config)} ({known.source})"))
         context = self._base_context(request, alias, backend, _("Key of “%(name)s”") % {"name": known.name})
         context.update(
             {
                 "name": known.name,
-                "digest": bucket.digest,
+                "digest": digest,
+                "stored": bucket is not None,
                 "fields": fields,
                 "now": _local_time(page.now),
                 "list_url": self._url("buckets", alias, name=known.name),
