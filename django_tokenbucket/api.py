@@ -368,7 +368,11 @@ class Limiter:
         """
         base = self.resolve(name, config)
         limit, rule = _ruled(base, overrides.lookup(base.name, self.encode_for(base, key).digest))
-        limit.validate_count(count, True)
+        micro, fits = _count_in_force(base, limit, count, True)
+        if not fits:
+            assert rule is not None
+            refused = _overridden(limit, key, micro, rule, clock.app_now(), refused=True)
+            raise RateLimited(refused.name, refused.key, refused.retry_after, refused)
         if timeout is None or (rule is not None and rule.action != overrides.LIMIT):
             return limit, rule
         try:
@@ -695,9 +699,11 @@ class Limiter:
             rules = None if rule is _LOOK_UP else [rule]
             statuses = yield from self._many([item], apply=apply, throws=throws, rules=rules)
             return statuses[0]
-        request, rule = self._one_request(limit, key, count, reserve, rule)
-        if rule is not None and rule.action != overrides.LIMIT:
-            return self._one_status(limit, key, count, request.count, rule, apply=apply, throws=throws)
+        request, ruling = self._one_request(limit, key, count, reserve, rule)
+        if _settles(ruling):
+            return self._one_status(request.config, key, count, request.count, ruling, apply=apply, throws=throws)
+        assert not isinstance(ruling, _Outsized)
+        rule = ruling
         limit = request.config
         memory = _memory_for(limit, reserve)
         if memory is not None:
@@ -770,7 +776,11 @@ class Limiter:
             # Refreshed and looked up in one call: this is every request's path.
             rule = overrides.current(limit.name, encoded.digest)
             if rule is not None:
+                base = limit
                 limit, rule = _ruled(limit, rule)
+                micro, fits = _count_in_force(base, limit, count, reserve)
+                if not fits and rule is not None:
+                    return self._one_status(limit, key, count, micro, _Outsized(rule), apply=apply, throws=throws)
         request = made_request(limit, encoded, limit.validate_count(count, reserve), reserve)
         if rule is not None and rule.action != overrides.LIMIT:
             return self._one_status(limit, key, count, request.count, rule, apply=apply, throws=throws)
@@ -808,14 +818,15 @@ class Limiter:
 
     def _one_request(
         self, limit: LimitConfig, key: object, count: int | float, reserve: bool, rule: Override | None
-    ) -> tuple[Request, Override | None]:
+    ) -> tuple[Request, Override | _Outsized | None]:
         """Return the request of one call, on ``limit`` as the key's override changes it,
-        and that override (``rule``: one the caller applied already, or ``_LOOK_UP``).
+        and that override (``rule``: one the caller applied already, or ``_LOOK_UP``);
+        ``_Outsized`` when the count is more than the override can ever admit.
 
-        The count is checked against the numbers in force: an override may raise the
-        capacity above a count the limit could never admit.
+        The count is checked against the numbers in force (``_count_in_force``).
         """
         encoded = self.encode_for(limit, key)
+        base = limit
         if rule is _LOOK_UP:
             found = overrides.lookup(limit.name, encoded.digest)
             # The common case, no override of this limit, costs the lookup only.
@@ -823,7 +834,10 @@ class Limiter:
                 limit, rule = _ruled(limit, found)
             else:
                 rule = None
-        return Request(limit, encoded, limit.validate_count(count, reserve), reserve), rule
+        if rule is None:
+            return Request(limit, encoded, limit.validate_count(count, reserve), reserve), None
+        micro, fits = _count_in_force(base, limit, count, reserve)
+        return Request(limit, encoded, micro, reserve), rule if fits else _Outsized(rule)
 
     def _one_status(
         self,
@@ -831,20 +845,23 @@ class Limiter:
         key: object,
         count: int | float,
         micro: int,
-        outcome: Outcome | deny_cache.Recalled | Override | None,
+        outcome: Outcome | deny_cache.Recalled | Override | _Outsized | None,
         *,
         apply: bool,
         throws: bool,
         rule: Override | None = None,
     ) -> Status:
         """Return the Status of one limit's decision (None: failed open; a ``Recalled``
-        denial: from memory; an Override: an exemption or a block, the store unasked),
-        reported and raised as asked. ``rule`` is the ``limit`` override decided under."""
+        denial: from memory; an Override: an exemption or a block, the store unasked;
+        ``_Outsized``: refused by an override too small for it), reported and raised as
+        asked. ``rule`` is the ``limit`` override decided under."""
         action = None if rule is None else rule.action
         if outcome is None:
             status = self._failed_open(limit, key, count)
         elif isinstance(outcome, Override):
             status = _overridden(limit, key, micro, outcome, clock.app_now())
+        elif isinstance(outcome, _Outsized):
+            status = _overridden(limit, key, micro, outcome.rule, clock.app_now(), refused=True)
         elif isinstance(outcome, deny_cache.Recalled):
             status = self._status(limit, key, micro, outcome.decision, outcome.now, cached=True, override=action)
         else:
@@ -869,7 +886,7 @@ class Limiter:
             raise ValueError("no rate limits given")
         limits = []
         requests = []
-        ruled: list[Override | None] = []
+        ruled: list[Override | _Outsized | None] = []
         for n, item in enumerate(items):
             if not isinstance(item.reserve, bool):
                 raise ValueError(f"rate limit {item.name!r}: reserve must be a bool, not {item.reserve!r}")
@@ -885,16 +902,21 @@ class Limiter:
             ruled.append(rule)
         if self._own_backend is None:
             one_backend(limits)
-        settled = [i for i, rule in enumerate(ruled) if rule is not None and rule.action != overrides.LIMIT]
+        settled = [i for i, rule in enumerate(ruled) if _settles(rule)]
         if not settled:
-            statuses = yield from self._many_statuses(items, limits, requests, ruled, apply=apply)
+            statuses = yield from self._many_statuses(items, limits, requests, ruled, apply=apply)  # type: ignore[arg-type]
             return self._many_result(statuses, limits, apply=apply, throws=throws)
-        # Exempt limits take no part in the decision; a blocked one refuses the whole call,
-        # all-or-nothing, and the others are not asked (they took nothing).
+        # Exempt limits take no part in the decision; a blocked one (or one whose override
+        # is too small for its count) refuses the whole call, all-or-nothing, and the
+        # others are not asked (they took nothing).
         now = clock.app_now()
         result: list[Status | None] = [None] * len(items)
         for i in settled:
-            result[i] = _overridden(limits[i], items[i].key, requests[i].count, ruled[i], now)  # type: ignore[arg-type]
+            rule = ruled[i]
+            if isinstance(rule, _Outsized):
+                result[i] = _overridden(limits[i], items[i].key, requests[i].count, rule.rule, now, refused=True)
+            else:
+                result[i] = _overridden(limits[i], items[i].key, requests[i].count, rule, now)  # type: ignore[arg-type]
         rest = [i for i in range(len(items)) if result[i] is None]
         if any(not status.ok for status in result if status is not None):
             for i in rest:
@@ -904,7 +926,7 @@ class Limiter:
                 [items[i] for i in rest],
                 [limits[i] for i in rest],
                 [requests[i] for i in rest],
-                [ruled[i] for i in rest],
+                [ruled[i] for i in rest],  # type: ignore[misc]
                 apply=apply,
             )
             for i, status in zip(rest, decided):
@@ -1323,12 +1345,47 @@ def _action(rule: Override | None) -> str | None:
     return None if rule is None else rule.action
 
 
-def _overridden(limit: LimitConfig, key: object, micro: int, rule: Override, now: int) -> Status:
-    """The Status of a call an exemption let through or a block refused, the store unasked.
+def _settles(rule: Override | _Outsized | None) -> bool:
+    """Whether an override decides a call without the store: an exemption, a block, or a
+    ``limit`` override too small for the call's count."""
+    return isinstance(rule, _Outsized) or (rule is not None and rule.action != overrides.LIMIT)
+
+
+@dataclass(frozen=True)
+class _Outsized:
+    """A call whose count a ``limit`` override makes larger than any call it admits."""
+
+    rule: Override
+
+
+def _count_in_force(base: LimitConfig, limit: LimitConfig, count: object, reserve: bool) -> tuple[int, bool]:
+    """Return ``count`` in micro-tokens, and whether ``limit`` (``base`` as an override
+    changes it) can ever admit it.
+
+    Checked against the numbers in force: an override may raise the capacity above a
+    count the limit itself could never admit. A count that only an override makes too
+    large is no mistake of the caller's — an operator lowered the capacity under a view's
+    ``count=5`` — so the call is refused, spending nothing, until the override ends
+    (False), rather than raised as an error on every request of that key. ValueError
+    naming the limit for a count that the limit's own numbers refuse too.
+    """
+    try:
+        return limit.validate_count(count, reserve), True
+    except ValueError:
+        if limit is base:
+            raise
+        return base.validate_count(count, reserve), False
+
+
+def _overridden(
+    limit: LimitConfig, key: object, micro: int, rule: Override, now: int, *, refused: bool = False
+) -> Status:
+    """The Status of a call an exemption let through or a block refused, the store unasked;
+    ``refused``: a call more than a ``limit`` override can ever admit, refused until it ends.
 
     A block on a shadow limit refuses nothing, as the limit itself would not.
     """
-    blocked = rule.action == overrides.BLOCK
+    blocked = refused or rule.action == overrides.BLOCK
     return Status(
         ok=not blocked or limit.shadow,
         name=limit.name,

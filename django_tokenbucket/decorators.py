@@ -17,6 +17,7 @@ from . import registry
 from .api import limiter
 from .exceptions import BackendUnavailable
 from .http import add_ratelimit_headers, rate_limited_response, unavailable_response
+from .limits import count_to_micro
 from .request_keys import KeySpec, validate_key_spec
 from .status import Status
 from .view_limits import (
@@ -77,6 +78,32 @@ def _answers_options_itself(view_class: type) -> bool:
     if drf_views is not None:
         answers.add(drf_views.APIView.options)
     return getattr(view_class, "options", None) in answers
+
+
+def _view_class_of_dispatch(view: Any) -> type | None:
+    """Return the class of a view whose ``dispatch`` ``view`` is, as
+    ``method_decorator(..., name="dispatch")`` hands it to a decorator (a partial of the
+    bound method, made per request), else None.
+
+    Decorating ``dispatch`` limits every request of the class, as decorating the class
+    does, and so leaves a preflight that Django's ``options()`` answers as free.
+    """
+    bound = getattr(view, "func", None)
+    instance = getattr(bound, "__self__", None)
+    if isinstance(instance, DjangoView) and getattr(bound, "__name__", None) == "dispatch":
+        return type(instance)
+    return None
+
+
+def _fixed_count(count: object) -> int | None:
+    """Return a decorator's fixed ``count=`` in micro-tokens (None for a callable or a bad one,
+    which the first request reports)."""
+    if callable(count):
+        return None
+    try:
+        return count_to_micro(count)
+    except ValueError:
+        return None
 
 
 def _drf_view_class(view: Any) -> type | None:
@@ -167,6 +194,10 @@ def ratelimit(
             _declared.setdefault(limit_name, _view_path(view))
         else:
             limiter.resolve(limit_name, config)  # a bad inline limit fails at import, not per request
+        registry.record_use(
+            limit_name,
+            registry.ViewUse(_view_path(view), key if isinstance(key, str) else None, _fixed_count(count)),
+        )
         return ViewLimit(limit_name, key, config, methods, count, block, options_free, rate=plans)
 
     def decorator(view: View) -> View:
@@ -181,7 +212,9 @@ def ratelimit(
             view.dispatch = _limit_function(original, this, below)  # type: ignore[attr-defined]
             return view
         below = chain_of(view)
-        return _limit_function(view, limit_of(view, below, False), below)  # type: ignore[return-value]
+        dispatching = _view_class_of_dispatch(view)
+        options_free = dispatching is not None and _answers_options_itself(dispatching)
+        return _limit_function(view, limit_of(view, below, options_free), below)  # type: ignore[return-value]
 
     return decorator
 

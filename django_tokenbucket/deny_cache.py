@@ -8,13 +8,17 @@ refill is uniform, so what the store said once can be extrapolated until the mom
 named (``retry_after``). Only a reset, a refund, a set-tokens or a change of the limit's
 config make it wrong. In this process each of those forgets the key at once
 (``forget``, ``forget_limit``, ``clear``); made by another process, it is seen once the
-entry expires, at most ``MAX_AGE`` seconds after the denial was learnt.
+entry expires, at most ``MAX_AGE`` seconds after the denial was learnt. A denial learnt
+inside a transaction is kept only once the transaction commits (a rollback may undo what
+the store read, and a test suite empties its stores between rolled-back tests), and a
+flush of the tables (``post_migrate``, see apps.py) forgets everything.
 
 Memory never admits: it answers only a call that the store would deny too (the same
 limit, config and store, a count at least the one denied, no reservation), and
 everything else goes to the store. Bounded by ``MAX_KEYS`` entries (an attacker
 rotating keys costs at most that many), guarded by one lock, emptied in a forked
-child, and free of I/O, so the asyncio paths call it on the event loop.
+child, and free of I/O (a commit is awaited with ``on_commit``, never a query), so the
+asyncio paths call it on the event loop.
 
 Not cached: shadow limits (they never block), sharded limits (the next call picks
 other shards, which may admit), reservations, and statuses that failed open.
@@ -22,20 +26,25 @@ other shards, which may admit), reservations, and statuses that failed open.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.dispatch import receiver
 
 from . import clock
 from .algorithms import MICRO, Decision
-from .backends.base import Outcome
+from .backends.base import BaseBackend, Outcome
 from .limits import LimitConfig
 from .settings import feature_options, tokenbucket_settings
 
@@ -127,6 +136,9 @@ _entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
 #: is not remembered when the two race (``remember`` compares it with ``now()``'s).
 _epoch = 0
 _settings: Settings | bool | None = True  # True: not read yet
+#: The denials learnt inside transactions still open (their ``on_commit`` callbacks),
+#: held weakly: a rollback discards the callback, and so its place here.
+_awaiting_commit: weakref.WeakSet[Callable[[], None]] = weakref.WeakSet()
 
 
 def active() -> Settings | None:
@@ -196,7 +208,7 @@ def cacheable(limit: LimitConfig, reserve: bool) -> bool:
 def remember(
     settings: Settings,
     limit: LimitConfig,
-    store: object,
+    store: BaseBackend,
     digest: str,
     count: int,
     outcome: Outcome,
@@ -239,6 +251,42 @@ def remember(
         pinned,
         lifetime,
     )
+    alias = _open_transaction(store)
+    if alias is None:
+        _keep(settings, row, entry, epoch)
+    elif len(_awaiting_commit) < settings.max_keys:
+        # What the store read inside a transaction may be undone by its rollback (Django's
+        # TestCase rolls back every test; a view under ATOMIC_REQUESTS that fails): the
+        # denial is remembered only once that is ruled out. A rollback drops the callback,
+        # and with it its place among those awaiting a commit (a long transaction that
+        # meets many denials holds at most MAX_KEYS of them, as memory does).
+        keep = partial(_keep, settings, row, entry, epoch)
+        _awaiting_commit.add(keep)
+        transaction.on_commit(keep, using=alias)
+
+
+def _open_transaction(store: BaseBackend) -> str | None:
+    """Return the database alias whose open transaction a denial was learnt in, or None.
+
+    The store's own database for the database backend, whose reads join the caller's
+    transaction. For another store (Redis), the default database's: a rollback does not
+    undo what Redis holds, but the code around it — a test that empties Redis before the
+    next one, a view that failed half-way — treats the whole as undone, and a denial
+    learnt under it is not worth trusting until the transaction stands. An asyncio task
+    has no transaction of its own (the ORM's transactions are blocking).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return None
+    alias = store.database_alias() or DEFAULT_DB_ALIAS
+    return alias if connections[alias].in_atomic_block else None
+
+
+def _keep(settings: Settings, row: tuple[str, str], entry: _Entry, epoch: int) -> None:
+    """Remember ``entry`` unless an invalidation came after the denial was asked (``epoch``)."""
     with _lock:
         if epoch != _epoch:
             return  # something was reset meanwhile: this denial may predate it

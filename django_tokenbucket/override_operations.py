@@ -24,9 +24,10 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from . import clock, overrides
+from . import clock, overrides, registry
 from .algorithms import MICRO
 from .api import limiter
+from .compat.ratelimit.core import key_from_text as compat_key_from_text
 from .keys import label_as_typed
 from .limits import LimitConfig, to_micro
 from .models import LimitOverride
@@ -51,6 +52,7 @@ __all__ = [
     "panel",
     "parse_duration",
     "rate_text",
+    "refused_views",
     "replaced",
     "resave",
     "save_digest",
@@ -95,13 +97,19 @@ def parse_duration(text: str) -> timedelta:
 def key_from_spec(name: str, text: str) -> object:
     """Return the key ``SPEC=VALUE`` stands for (as ``tokenbucket show --key``), None for "" (every key).
 
-    The value is normalised later, by the API, as ``@ratelimit`` normalises what a
-    request sends. ValueError naming limit ``name`` when it is not SPEC=VALUE.
+    Built as the requests of limit ``name`` build theirs: by ``@ratelimit`` and the DRF
+    throttles, or, for a limit of the django-ratelimit layer, as that layer does (a masked
+    address, a user id as text). ValueError naming limit ``name`` when it is not
+    SPEC=VALUE, or its address is not one.
     """
     if not text.strip():
         return None
-    key = key_from_text(text)
+    compat = registry.is_compat_limit(name)
+    key = compat_key_from_text(text) if compat else key_from_text(text)
     if key is None:
+        spec, separator, value = text.partition("=")
+        if separator and spec.strip() == "ip":
+            raise ValueError(f"rate limit {name!r}: key {text.strip()!r}: {value.strip()!r} is not an IP address")
         raise ValueError(f"rate limit {name!r}: key {text.strip()!r} is not SPEC=VALUE ({KEY_HINT})")
     return key
 
@@ -139,6 +147,20 @@ def _derived(row: LimitOverride, limit: LimitConfig | None) -> LimitConfig | Non
         return overrides.derive(limit, **_stored(row))
     except ImproperlyConfigured:  # the limit changed since: its numbers no longer fit
         return None
+
+
+def refused_views(row: LimitOverride, limit: LimitConfig | None) -> list[str]:
+    """Return a warning for each view whose ``count=`` is more than ``row`` lets any call
+    take: every request of the keys it covers is refused there (429) until it ends."""
+    derived = _derived(row, limit) if row.action == overrides.LIMIT else None
+    if derived is None:
+        return []
+    return [
+        f"{use.view} counts {format_tokens(use.count)} per request, more than this override's capacity "
+        f"{format_tokens(derived.capacity)}: its requests of {shown_key(row)} are refused until the override ends"
+        for use in sorted(registry.uses(row.name), key=lambda use: use.view)
+        if use.count is not None and use.count > derived.max_plain_count
+    ]
 
 
 def describe_numbers(row: LimitOverride, limit: LimitConfig | None) -> str:

@@ -56,7 +56,7 @@ from .keys import Redacted, encode_key, is_request_data_key
 from .limits import LimitConfig, parse_limit
 from .logs import throttled_logger
 from .plans import plan_base
-from .request_keys import normalize_identity
+from .request_keys import canonical_spec, ip_key_from_text, normalize_identity
 from .settings import feature_options, tokenbucket_settings
 
 if TYPE_CHECKING:
@@ -452,15 +452,19 @@ def expiry(name: str, until: object) -> datetime | None:
 def key_digest(name: str, key: object) -> tuple[str, str]:
     """Return the digest and label an override of ``key`` is stored under ("" for every key).
 
-    A key of request data (``("post:username", "Alice@Example.com ")``) is normalised as
-    the decorator normalises what a request sends, so that the override reaches the
-    bucket that request's decisions use. ValueError naming limit ``name`` when ``key``
-    cannot be a key.
+    A key of request data (``("post:username", "Alice@Example.com ")``,
+    ``("header:X-Api-Key", ...)``) is normalised as the decorator normalises what a
+    request sends, and an address (``("ip", "2001:db8::7")``, ``("ip", "::ffff:192.0.2.9")``)
+    becomes the network or IPv4 address that keys its requests, so that the override
+    reaches the bucket that request's decisions use. ValueError naming limit ``name``
+    when ``key`` cannot be a key.
     """
     if key is None:
         return "", ""
     if is_request_data_key(key) and isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], str):
-        key = (key[0], Redacted(normalize_identity(key[1])))
+        key = (canonical_spec(key[0]), Redacted(normalize_identity(key[1])))
+    elif isinstance(key, tuple) and len(key) == 2 and key[0] == "ip" and isinstance(key[1], str):
+        key = ip_key_from_text(key[1]) or key
     try:
         encoded = encode_key(key)
     except TypeError as exc:

@@ -14,6 +14,7 @@ sites) cannot be read here: it is reported as such (``CALL_SITES``), never as ga
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -41,13 +42,18 @@ __all__ = [
     "THROTTLE_RATES",
     "CleanupLimits",
     "KnownLimit",
+    "ViewUse",
     "add_throttle_rates_source",
     "cleanup_limits",
     "interpret",
+    "is_compat_limit",
     "known_limits",
     "plan_bases",
+    "record_compat_group",
     "record_inline",
     "record_plan_base",
+    "record_use",
+    "uses",
 ]
 
 logger = logging.getLogger("django_tokenbucket")
@@ -123,6 +129,66 @@ def record_plan_base(base: str, view: str) -> None:
     with _lock:
         if base in _plan_bases or len(_plan_bases) < _INLINE_MAX:
             _plan_bases[base] = view
+
+
+@dataclass(frozen=True)
+class ViewUse:
+    """How one view's ``@ratelimit`` uses a limit: what its key and count are."""
+
+    view: str
+    #: The ``key=`` spec (``"ip"``, ``"header:x-api-key"``...); None for a callable.
+    key: str | None
+    #: The fixed ``count=`` in micro-tokens; None for a callable.
+    count: int | None
+
+
+#: Limit name -> how the views decorated with it use it, for what an operator is told:
+#: an override smaller than a view's count refuses every request of that view.
+_uses: dict[str, set[ViewUse]] = {}
+
+
+def record_use(name: str, use: ViewUse) -> None:
+    """Remember that a view uses limit ``name`` as ``use`` says (at decoration)."""
+    if name.startswith(_PHANTOM) or use.view.startswith(_PHANTOM):
+        return
+    with _lock:
+        if name in _uses or len(_uses) < _INLINE_MAX:
+            _uses.setdefault(name, set()).add(use)
+
+
+def uses(name: str, *, load_views: bool = True) -> frozenset[ViewUse]:
+    """Return how the views known to this process use limit ``name``."""
+    if load_views:
+        _load_views()
+    with _lock:
+        return frozenset(_uses.get(name, ()))
+
+
+#: The groups of the django-ratelimit layer's decorators (each names its limits
+#: ``<group>:<limit>/<period>s[:<METHODS>]``): their keys are django-ratelimit's (a masked
+#: address, a user id as text), not the native decorator's, and a key an operator types
+#: for one of their limits must be built that way.
+_compat_groups: set[str] = set()
+_COMPAT_NAME = re.compile(r"(?P<group>.+):[0-9]+/[0-9]+s(?::[A-Z,]+)?", re.ASCII)
+
+
+def record_compat_group(group: str) -> None:
+    """Remember a group of the django-ratelimit layer (at decoration, and at each decision)."""
+    if group in _compat_groups or group.startswith(_PHANTOM):
+        return
+    with _lock:
+        if len(_compat_groups) < _INLINE_MAX:
+            _compat_groups.add(group)
+
+
+def is_compat_limit(name: str, *, load_views: bool = True) -> bool:
+    """Whether ``name`` is a limit of the django-ratelimit layer's decorators."""
+    match = _COMPAT_NAME.fullmatch(name)
+    if match is None:
+        return False
+    if match["group"] not in _compat_groups and load_views:
+        _load_views()
+    return match["group"] in _compat_groups
 
 
 def plan_bases(*, load_views: bool = True) -> dict[str, str]:

@@ -17,17 +17,20 @@ from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
-from .ip import client_ip
+from .ip import client_ip, ip_key, parse_ip
 from .keys import Redacted
 from .settings import tokenbucket_settings
 
 __all__ = [
     "MAX_IDENTITY_LENGTH",
     "KeySpec",
+    "canonical_spec",
+    "ip_key_from_text",
     "key_from_text",
     "normalize_identity",
     "posted_field",
     "request_key",
+    "user_pk_from_text",
     "validate_key_spec",
 ]
 
@@ -61,6 +64,19 @@ def normalize_identity(value: str) -> str:
     # Stripped before it is cut, so that padding cannot push a real name past the cut.
     text = unicodedata.normalize("NFKC", value.strip()[:MAX_IDENTITY_LENGTH]).strip()
     return text.casefold() if tokenbucket_settings.FOLD_KEY_CASE else text
+
+
+def canonical_spec(spec: str) -> str:
+    """Return the one spelling of a key spec as keys carry it: a header's name in lower case.
+
+    Header names are case-insensitive in HTTP (``request.headers`` finds any spelling),
+    so ``header:X-Api-Key`` and ``header:x-api-key`` read the same value and must key
+    the same bucket — on two views that name one limit, and for an operator who types
+    either spelling. Query and form field names are case-sensitive, and stay as written.
+    """
+    if spec[:7].lower() == "header:":
+        return "header:" + spec[7:].lower()
+    return spec
 
 
 def _username(request: HttpRequest) -> str | None:
@@ -146,6 +162,7 @@ def request_key(request: HttpRequest, spec: KeySpec) -> object:
         else:
             value = posted_field(request, field)
         value = None if value is None else normalize_identity(value)
+        spec = canonical_spec(spec)
         if not value:
             return (spec, None, "ip", client_ip(request))
         # Redacted: a header or a field may be a secret (an API key, a password typed in
@@ -166,22 +183,36 @@ def key_from_text(text: str) -> object | None:
     ``Alice`` (normalised as the decorator does), ``"ip=192.0.2.1"`` and ``"user=42"`` those
     of ``key="ip"`` and ``key="user"``. For finding a bucket whose key is not stored in
     clear (the admin's search, the command).
+
+    An address is read as a request's is (brackets, a port, a zone id, an IPv4 address
+    wrapped in IPv6) and keys the bucket its client's requests use: an IPv6 address its
+    network of ``IPV6_PREFIX`` bits, so that what an access log shows reaches the bucket
+    a block must reach. A malformed address is no key (None).
     """
     spec, separator, value = text.partition("=")
-    spec = spec.strip()
+    spec = canonical_spec(spec.strip())
     if not separator or not value:
         return None
     if spec == "ip":
-        return ("ip", value.strip())
+        return ip_key_from_text(value)
     if spec == "user":
-        return ("user", _user_pk(value.strip()))
+        return ("user", user_pk_from_text(value.strip()))
     kind, _, field = spec.partition(":")
     if spec == "username" or (kind in _FIELD_KEYS and field):
         return (spec, Redacted(normalize_identity(value)))
     return None
 
 
-def _user_pk(text: str) -> object:
+def ip_key_from_text(value: str) -> tuple[str, str] | None:
+    """Return the key ``key="ip"`` gives a request from address ``value``, None if it is not one."""
+    text = value.strip()
+    if text == "unknown":  # what a request without a usable address is keyed by
+        return ("ip", text)
+    address = parse_ip(text)
+    return None if address is None else ("ip", ip_key(address))
+
+
+def user_pk_from_text(text: str) -> object:
     """Return a user id typed as text as the user model's primary key holds it (a UUID, an int...)."""
     try:
         return get_user_model()._meta.pk.to_python(text)

@@ -11,6 +11,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.test import override_settings
+from django.views import View
 
 from django_tokenbucket import limiter
 from django_tokenbucket.backends import get_backend
@@ -499,3 +500,27 @@ def test_what_an_async_view_plans_on_the_event_loop(rf):
     assert _plans_on_the_loop(request, limit("user")) and _plans_on_the_loop(request, limit("user_or_ip"))
     without_auth = rf.get("/")  # no authentication middleware: no user to load
     assert _plans_on_the_loop(without_auth, limit("user_or_ip"))
+
+
+@pytest.mark.parametrize("own_options", [False, True], ids=["Django's options()", "its own options()"])
+def test_method_decorator_on_dispatch_keeps_preflights_free_where_django_answers_them(db, rf, own_options):
+    """``method_decorator(ratelimit(...), name="dispatch")``, the usual way to decorate a
+    class-based view, limits it as decorating the class does: a preflight that Django's
+    ``options()`` answers runs none of the view's code and is not counted (issue 46)."""
+    from django.utils.decorators import method_decorator
+
+    @method_decorator(ratelimit(key="ip", rate="2/m"), name="dispatch")
+    class Endpoint(View):
+        def get(self, request):
+            return HttpResponse("work")
+
+        if own_options:
+
+            def options(self, request):
+                return HttpResponse("computed options")
+
+    view = Endpoint.as_view()
+    codes = [view(rf.options("/")).status_code for _ in range(3)]
+    assert codes == ([200, 200, 429] if own_options else [200, 200, 200])
+    if not own_options:
+        assert [view(rf.get("/")).status_code for _ in range(3)] == [200, 200, 429]

@@ -9,6 +9,7 @@ calls are counted by wrapping the real backend's methods, which still do the wor
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import random
 import time
@@ -79,6 +80,10 @@ def clock(backend):
 @pytest.fixture
 def store_calls(backend, monkeypatch):
     """How many decisions reached the store: the real backend's methods, counted."""
+    return counted_store_calls(monkeypatch)
+
+
+def counted_store_calls(monkeypatch) -> dict:
     store = get_backend()
     calls = {"n": 0}
     # A backend without an asyncio client runs ``decide`` in a thread for ``adecide``.
@@ -498,3 +503,123 @@ def test_frozen_clock_starts_with_an_empty_memory(backend, clock):
     assert deny_cache.size() == 1
     with frozen_clock(T0):
         assert deny_cache.size() == 0
+
+
+# -- What a test suite (or a failed request) does to the store ---------------------------
+#
+# Issue 46: a project's own tests start each case afresh — Django's TestCase rolls the
+# rows back, a setUp empties Redis — and memory must never contradict that. These run at
+# the defaults: no DENY_CACHE in the settings.
+
+
+@pytest.fixture(params=["database", "redis"])
+def default_store(request, transactional_db):
+    """The store at the default DENY_CACHE; ``emptied()`` does to it what a test's
+    teardown and the next setUp do (the rollback itself empties the database)."""
+    overrides = store_overrides(request.param, request)
+    settings_dict = {**BASE_SETTINGS, **overrides, "LIMITS": LIMITS}
+    assert "DENY_CACHE" not in settings_dict
+    with override_settings(TOKENBUCKET=settings_dict):
+        yield request.param
+
+
+def emptied(store: str) -> None:
+    if store == "redis":
+        from .redis_servers import delete_keys
+
+        delete_keys()  # what cache.clear() does to a project's test Redis
+
+
+class _RolledBack(Exception):
+    pass
+
+
+def test_a_denial_learnt_in_a_transaction_that_rolls_back_is_not_remembered(default_store):
+    assert deny_cache.active() is not None  # on by default
+    with pytest.raises(_RolledBack):
+        with transaction.atomic():
+            exhaust(limiter)
+            raise _RolledBack
+    emptied(default_store)
+    status = limiter.limit("login", "k")
+    assert status.ok and not status.cached
+    assert deny_cache.size() == 0
+
+
+def test_a_denial_learnt_in_a_transaction_is_remembered_once_it_commits(default_store, monkeypatch):
+    store_calls = counted_store_calls(monkeypatch)
+    with transaction.atomic():
+        exhaust(limiter)
+        before = store_calls["n"]
+        again = limiter.limit("login", "k")
+        # Not yet: the transaction may still be rolled back.
+        assert not again.ok and not again.cached and store_calls["n"] == before + 1
+        assert deny_cache.size() == 0
+    assert deny_cache.size() == 1
+    before = store_calls["n"]
+    cached = limiter.limit("login", "k")
+    assert not cached.ok and cached.cached and store_calls["n"] == before
+
+
+def test_a_denial_learnt_in_a_savepoint_rolled_back_is_not_remembered(default_store):
+    with transaction.atomic():
+        with pytest.raises(_RolledBack):
+            with transaction.atomic():
+                exhaust(limiter, key="inner")
+                raise _RolledBack
+        exhaust(limiter, key="outer")
+    emptied(default_store) if default_store == "redis" else None
+    if default_store == "database":
+        # The savepoint's rows went with it; the outer transaction's stand.
+        assert limiter.limit("login", "inner").ok
+    assert deny_cache.size() == 1 and not limiter.check("login", "outer").ok
+
+
+def test_a_long_transaction_holds_at_most_max_keys_denials_awaiting_its_commit(default_store):
+    with override_settings(TOKENBUCKET={**_current(), "DENY_CACHE": {"MAX_KEYS": 3}}):
+        with transaction.atomic():
+            for n in range(6):
+                exhaust(limiter, key=f"k{n}")
+            assert len(deny_cache._awaiting_commit) == 3
+        assert deny_cache.size() == 3
+
+
+def test_a_flushed_database_is_not_contradicted_by_memory(default_store):
+    exhaust(limiter)
+    assert deny_cache.size() == 1
+    # What TransactionTestCase does after each test (and `manage.py flush`).
+    call_command("flush", interactive=False, verbosity=0)
+    emptied(default_store)
+    assert deny_cache.size() == 0
+    assert limiter.limit("login", "k").ok
+
+
+def test_a_projects_own_test_cases_start_afresh_at_the_defaults(default_store):
+    """Two TestCase classes of a project, each expecting a fresh bucket: the second used
+    to get the first one's denial from memory (DRF's, django-ratelimit's and openwisp's
+    own suites, swapped to these classes)."""
+    import unittest
+
+    from django.test import TestCase, TransactionTestCase
+
+    class Afresh:
+        def setUp(self):
+            emptied(default_store)  # the project's cache.clear()
+
+        def test_first(self):
+            exhaust(limiter)
+
+        def test_second(self):
+            exhaust(limiter)
+
+    class InTestCase(Afresh, TestCase):
+        pass
+
+    class InTransactionTestCase(Afresh, TransactionTestCase):
+        pass
+
+    loader = unittest.TestLoader()
+    suite = unittest.TestSuite(loader.loadTestsFromTestCase(case) for case in (InTestCase, InTransactionTestCase))
+    result = unittest.TextTestRunner(verbosity=0, stream=io.StringIO()).run(suite)
+    assert result.testsRun == 4
+    assert not result.failures and not result.errors, result.failures + result.errors

@@ -27,6 +27,7 @@ from django.dispatch import receiver
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
+from ... import registry
 from ...algorithms import MICRO
 from ...api import Limiter, limiter
 from ...backends import get_backend, redis_backend
@@ -36,12 +37,12 @@ from ...ip import client_address, parse_ip
 from ...keys import Redacted, encode_key
 from ...limits import LimitConfig
 from ...logs import current_request
-from ...request_keys import normalize_identity, posted_field
+from ...request_keys import canonical_spec, normalize_identity, posted_field, user_pk_from_text
 from ...settings import tokenbucket_settings
 from ...status import Status
 from . import ALL, UNSAFE, stores
 
-__all__ = ["get_usage", "is_ratelimited"]
+__all__ = ["get_usage", "is_ratelimited", "key_from_text"]
 
 #: django-ratelimit's margin on its cache entries' lifetime, for code that reads it; each
 #: window here ends exactly, and its state expires with it.
@@ -116,11 +117,39 @@ def _get_ip(request: HttpRequest) -> str:
         address = parse_ip(str(text))
         if address is None:
             raise ImproperlyConfigured(f"RATELIMIT_IP_META_KEY = {source!r} gave {text!r}, which is not an address")
+    return _masked(address)
+
+
+def _masked(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    """Return the ``ip`` key of ``address``: its network under ``RATELIMIT_IPV4_MASK``/``RATELIMIT_IPV6_MASK``."""
     if isinstance(address, ipaddress.IPv6Address):
         mask = _mask("RATELIMIT_IPV6_MASK", 64, 128)
     else:
         mask = _mask("RATELIMIT_IPV4_MASK", 32, 32)
     return str(ipaddress.ip_network((address, mask), strict=False).network_address)
+
+
+def key_from_text(text: str) -> object | None:
+    """Return the key this layer's ``key=`` builds, written as ``<spec>=<value>``; None if not one.
+
+    As ``django_tokenbucket.request_keys.key_from_text`` does for the native decorator,
+    with django-ratelimit's keys: ``ip=`` its masked address, ``user=`` the user's id as
+    text; ``header:``, ``get:`` and ``post:`` values normalised alike. For an override
+    typed by an operator on one of this layer's limits.
+    """
+    spec, separator, value = text.partition("=")
+    spec = canonical_spec(spec.strip())
+    if not separator or not value:
+        return None
+    if spec == "ip":
+        address = parse_ip(value)
+        return None if address is None else _masked(address)
+    if spec == "user":
+        return str(user_pk_from_text(value.strip()))
+    accessor, _, field = spec.partition(":")
+    if accessor in _ACCESSOR_KEYS and field:
+        return (spec, Redacted(normalize_identity(value)))
+    return None
 
 
 def user_or_ip(request: HttpRequest) -> str:
@@ -187,7 +216,7 @@ def _key_value(group: str, request: HttpRequest, key: Any) -> object:
             raise ImproperlyConfigured(f"Unknown ratelimit key: {key}")
         # Normalised as the native decorator's keys are (every spelling of one account is
         # one bucket), and tagged as request data, which is never stored in clear.
-        return (key, Redacted(normalize_identity(_ACCESSOR_KEYS[accessor](request, field))))
+        return (canonical_spec(key), Redacted(normalize_identity(_ACCESSOR_KEYS[accessor](request, field))))
     if "." in key:
         return import_string(key)(group, request)
     raise ImproperlyConfigured(f"Could not understand ratelimit key: {key}")
@@ -260,6 +289,7 @@ def _decide(
         return None
     if group is None:
         group = _group_of(fn)
+    registry.record_compat_group(group)
     if callable(rate):
         rate = rate(group, request)
     elif isinstance(rate, str) and "." in rate:

@@ -11,9 +11,10 @@ from django.conf import settings
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
+from ... import registry
 from ...exceptions import RateLimited
 from . import ALL, UNSAFE
-from .core import _last_status, is_ratelimited
+from .core import _group_of, _last_status, is_ratelimited
 from .exceptions import Ratelimited
 
 __all__ = ["ratelimit"]
@@ -36,6 +37,10 @@ def ratelimit(
     """
 
     def decorator(fn: View) -> View:
+        # Known before any request is decided: the command and the admin build the keys
+        # an operator types for this group's limits as django-ratelimit's.
+        registry.record_compat_group(group if group is not None else _group_of(fn))
+
         def limited(request: HttpRequest) -> bool:
             old_limited = getattr(request, "limited", False)
             token = _last_status.set(None)

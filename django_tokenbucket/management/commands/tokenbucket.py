@@ -48,8 +48,8 @@ from ...cleanup import MAX_BATCH_SIZE, cleanup, database_alias
 from ...keys import as_typed, encode_key
 from ...limits import LimitConfig
 from ...live import FULL, LIMITED, PARTIAL, LiveState, live_state
+from ...override_operations import key_from_spec
 from ...registry import CALL_SITES, KnownLimit, interpret, known_limits, plan_bases
-from ...request_keys import key_from_text
 from ...text import describe_rate, format_duration, format_tokens
 from ..analytics import SUBCOMMANDS as ANALYTICS_SUBCOMMANDS
 from ..analytics import AnalyticsCommands, add_analytics_parsers
@@ -190,10 +190,14 @@ class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
         if spec is not None:
             if raw is not None:
                 raise CommandError("give the key once: as KEY or as --key SPEC=VALUE")
-            key = key_from_text(spec)
-            if key is None:
-                raise CommandError(f"--key: {spec!r} is not SPEC=VALUE ({_REQUEST_KEY_HINT})")
-            return key
+            if not spec.strip():
+                raise CommandError(f"--key: an empty key is not SPEC=VALUE ({_REQUEST_KEY_HINT})")
+            try:
+                # Built as the requests of this limit build theirs (the native decorator's
+                # or the django-ratelimit layer's keys).
+                return key_from_spec(options["name"], spec)
+            except ValueError as exc:
+                raise CommandError(f"--key: {exc}") from None
         if raw is None:
             raise CommandError("--int, --json and --digest need a KEY")
         if options["int_key"]:
@@ -303,7 +307,7 @@ class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
             self.stdout.write(f"key {bucket.label or '(no label)'} (digest {bucket.digest})")
             self._print_live(live, stored=True)
             return
-        key = self._key(options)
+        key = self._key({**options, "name": name})
         encoded = encode_key(key)
         self.stdout.write(f"key {as_typed(key)} (digest {encoded.digest})")
         live = operations.key_state(operations.store_of(limit), limit, encoded)
@@ -331,7 +335,7 @@ class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
             operations.reset_buckets(operations.store_of(limit, database), limit.name, [bucket.digest])
             self.stdout.write(f"Reset {name} key {bucket.label or bucket.digest}: it starts full again.")
             return
-        key = self._key(options)
+        key = self._key({**options, "name": name})
         encoded = encode_key(key)
         backend = operations.store_of(limit)
         existed = operations.is_stored(operations.store_of(limit, database), limit, encoded)
