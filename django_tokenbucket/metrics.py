@@ -24,7 +24,9 @@ names the rest are counted as ``"other"``.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import threading
 import time
 from bisect import bisect_left
@@ -37,6 +39,8 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from .settings import tokenbucket_settings
+
+logger = logging.getLogger("django_tokenbucket")
 
 # Optional: each is needed only by the recorder of its name (``manage.py check``: E050).
 try:
@@ -386,7 +390,32 @@ def prometheus_recorder(registry: Any = None) -> PrometheusRecorder:
     """The Prometheus recorder for this process: tallied, unless ``prometheus_client`` is
     in its multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set, read as it reads it)."""
     multiprocess = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
-    return LockedPrometheusRecorder(registry) if multiprocess else TalliedPrometheusRecorder(registry)
+    if multiprocess:
+        return LockedPrometheusRecorder(registry)
+    server = multiprocess_server()
+    if server is not None:
+        logger.warning(
+            "TOKENBUCKET['METRICS'] = 'prometheus' in %s without PROMETHEUS_MULTIPROC_DIR: each worker "
+            "process counts on its own, so a scrape of /metrics sees the counts of whichever worker "
+            "answers it, and the counters seem to jump back and forth; set PROMETHEUS_MULTIPROC_DIR "
+            "(docs/operations.md, 'Metrics')",
+            server,
+        )
+    return TalliedPrometheusRecorder(registry)
+
+
+def multiprocess_server() -> str | None:
+    """Name the server of several worker processes this process is a worker of, if any.
+
+    What each leaves in its workers: Gunicorn its worker classes (imported by the arbiter
+    before it forks them), uWSGI its ``uwsgi`` module with the number of processes.
+    """
+    uwsgi = sys.modules.get("uwsgi")
+    if uwsgi is not None and getattr(uwsgi, "numproc", 1) > 1:
+        return f"a uWSGI worker ({uwsgi.numproc} processes)"
+    if "gunicorn.workers.base" in sys.modules:
+        return "a Gunicorn worker"
+    return None
 
 
 class OpenTelemetryRecorder:

@@ -348,3 +348,29 @@ def test_the_multiprocess_mode_gets_the_locked_recorder(monkeypatch):
 
 
 LOGIN_ALLOWED = {"limit": "login", "backend": "default", "outcome": "allowed"}
+
+
+@pytest.mark.parametrize(
+    ("module", "attributes", "warned"),
+    [
+        ("gunicorn.workers.base", {}, "a Gunicorn worker"),
+        ("uwsgi", {"numproc": 4}, "a uWSGI worker (4 processes)"),
+        ("uwsgi", {"numproc": 1}, None),
+    ],
+)
+def test_a_worker_of_a_multiprocess_server_is_told_what_a_scrape_sees(monkeypatch, caplog, module, attributes, warned):
+    """Issue 46: under ``gunicorn -w 4`` without the multiprocess mode, each worker counts
+    alone and a scrape sees one of them: the default must say so. (What each server
+    leaves in its workers' ``sys.modules`` stands in for the server here.)"""
+    import types
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.delenv("prometheus_multiproc_dir", raising=False)
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**attributes))
+    with caplog.at_level("WARNING", logger="django_tokenbucket"):
+        metrics.prometheus_recorder(CollectorRegistry())
+    lines = [r.getMessage() for r in caplog.records if "PROMETHEUS_MULTIPROC_DIR" in r.getMessage()]
+    if warned is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and warned in lines[0] and "a scrape of /metrics sees" in lines[0]

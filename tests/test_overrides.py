@@ -659,3 +659,14 @@ def test_an_exemption_in_force_counts_nothing_across_processes(backend):
         assert sum(r["admitted"] for r in results) == 80
         limiter.clear_override("exact", "hot")
         assert limiter.get_value("exact", "hot") == 100
+
+
+def test_a_flush_of_the_tables_ends_the_overrides_held_at_once(backend, clock):
+    """Issue 46: ``TransactionTestCase`` flushes the tables after each test (as does
+    ``manage.py flush``): an override made before is gone from the database, and this
+    process must not keep applying it for MAX_AGE (600 s here; 5 s by default)."""
+    limiter.block("login", "k")
+    assert not limiter.limit("login", "k").ok
+    call_command("flush", interactive=False, verbosity=0)
+    status = limiter.limit("login", "k")
+    assert status.ok and status.override is None
