@@ -12,10 +12,11 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
-from . import analytics, clock, deny_cache, metrics, overrides, registry, signals
+from . import analytics, clock, deny_cache, hints, metrics, overrides, registry, signals
 from .algorithms import MICRO, Decision
 from .backends import get_backend
 from .backends.base import BackendError, BaseBackend, Outcome, Request, made_request
@@ -197,6 +198,8 @@ class Limiter:
         ``status.retry_after`` says when they exist. With ``throws=True`` a denial
         raises RateLimited instead of returning ``ok=False``.
         """
+        if settings.DEBUG:
+            hints.note_key(name, key)
         return self._decide_one(name, key, count, reserve, config, apply=True, throws=throws)
 
     async def alimit(
@@ -209,6 +212,8 @@ class Limiter:
         config: ConfigSpec | None = None,
     ) -> Status:
         """``limit()`` for async code."""
+        if settings.DEBUG:
+            hints.note_key(name, key)
         return await self._adrive(self._one(name, key, count, reserve, config, apply=True, throws=throws))
 
     def check(

@@ -122,10 +122,17 @@ def ratelimit_headers(statuses: Iterable[Status]) -> dict[str, str]:
     not the client, and the draft asks not to disclose operational capacity. So are
     limits keyed by what the request sent (``post:username``...): that bucket may be
     someone else's, and its state would tell whether their account is under attack.
+
+    A refused request names only the limits that refused it: the others of its
+    all-or-nothing call were not asked when memory refused it (the deny cache), and
+    naming them on the store's refusals alone would change the set from one identical
+    refusal to the next.
     """
+    statuses = list(statuses)
+    refused = [status for status in statuses if not status.ok]
     policies = []
     limits = []
-    for status in statuses:
+    for status in refused or statuses:
         if status.key is None or status.value is None or status.shadow or is_request_data_key(status.key):
             continue
         name = _sf_string(status.name)

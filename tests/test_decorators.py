@@ -248,15 +248,34 @@ class TestRateLimitHeaders:
         assert int(denied["Retry-After"]) >= 25
 
     def test_stacked_decorators_report_every_limit(self, client, clock):
-        for _ in range(5):
+        for _ in range(4):
             assert client.post("/stacked/", {"username": "bob"}).status_code == 200
-        response = client.post("/stacked/", {"username": "bob"})
-        assert response.status_code == 429  # login (5/m) is spent; ten_per_minute is not
+        allowed = client.post("/stacked/", {"username": "bob"})
         # Only the requester's own bucket: "login" is keyed by the username the request
-        # named, which may be someone else's account. The refused request spent nothing,
-        # so ten_per_minute still has 5 of 10.
-        assert response["RateLimit-Policy"] == '"ten_per_minute";q=10;w=60'
-        assert response["RateLimit"] == '"ten_per_minute";r=5;t=30'
+        # named, which may be someone else's account.
+        assert allowed["RateLimit-Policy"] == '"ten_per_minute";q=10;w=60'
+        assert allowed["RateLimit"] == '"ten_per_minute";r=5;t=30'
+        refused = [client.post("/stacked/", {"username": "bob"}) for _ in range(3)]
+        # A refused request names the limits that refused it: here "login" alone, which
+        # is not shown, so none (issue 49: the same on every refusal, whether the store
+        # or memory refused it).
+        assert [r.status_code for r in refused] == [429] * 3
+        assert not any(r.has_header("RateLimit") for r in refused)
+
+    def test_identical_refusals_name_the_same_limits(self, clock):
+        """Issue 49: the first 429 of two stacked limits (decided by the store) named both,
+        the next ones (refused from memory) only the one that refused."""
+        view = ratelimit("burst_two", key="ip", rate="2/m")(
+            ratelimit("sustained_ten", key="ip", rate="10/h")(lambda request: HttpResponse("ok"))
+        )
+        codes, headers = [], []
+        for _ in range(6):
+            response = view(RequestFactory().get("/", REMOTE_ADDR="198.51.100.70"))
+            codes.append(response.status_code)
+            headers.append((response.get("RateLimit-Policy"), response.get("RateLimit")))
+        assert codes == [200, 200, 429, 429, 429, 429]
+        assert headers[2][0] == '"burst_two";q=2;w=60'
+        assert len(set(headers[2:])) == 1, headers[2:]
 
     def test_off_by_default(self, client):
         with override_settings(TOKENBUCKET=BASE_SETTINGS):
@@ -524,3 +543,29 @@ def test_method_decorator_on_dispatch_keeps_preflights_free_where_django_answers
     assert codes == ([200, 200, 429] if own_options else [200, 200, 200])
     if not own_options:
         assert [view(rf.get("/")).status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_a_per_user_limit_keyed_none_for_anonymous_visitors_is_pointed_out_in_debug(client, caplog, settings):
+    """Issue 49: ``key=request.user.pk`` (the old Quick start) is None for every visitor
+    who is not signed in: one bucket for all of them. In DEBUG that is said once."""
+    from django.contrib.auth import get_user_model
+
+    settings.DEBUG = True
+    user = get_user_model().objects.create_user("hinted", password="x")
+    with caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
+        client.get("/keyed-by-pk/")  # anonymous: key None
+        client.force_login(user)
+        client.get("/keyed-by-pk/")  # signed in: key user.pk
+        client.logout()
+        client.get("/keyed-by-pk/")
+        client.get("/keyed-by-pk/")
+    warnings = [r.getMessage() for r in caplog.records if "both with a key and with key=None" in r.getMessage()]
+    assert len(warnings) == 1 and "'keyed_by_pk'" in warnings[0] and "user_or_ip" in warnings[0]
+
+
+def test_a_global_limit_is_not_pointed_out(client, caplog, settings):
+    settings.DEBUG = True
+    with caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
+        for _ in range(3):
+            client.get("/global-budget/")
+    assert not [r for r in caplog.records if "key=None" in r.getMessage()]

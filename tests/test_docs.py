@@ -109,9 +109,23 @@ def split_files(source: str) -> list[tuple[str | None, str]]:
 
 
 def _is_setting_target(target: ast.expr) -> bool:
-    while isinstance(target, ast.Subscript):
-        target = target.value
+    while isinstance(target, (ast.Subscript, ast.Attribute, ast.Call)):
+        target = target.func if isinstance(target, ast.Call) else target.value
     return isinstance(target, ast.Name) and target.id.isupper()
+
+
+def _is_settings_statement(node: ast.stmt) -> bool:
+    """An assignment to a setting, a call on one (``DATABASES["default"].setdefault(...)``),
+    or an ``if`` on settings holding only such statements."""
+    if isinstance(node, ast.Assign):
+        return all(_is_setting_target(t) for t in node.targets)
+    if isinstance(node, ast.AugAssign):
+        return _is_setting_target(node.target)
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        return _is_setting_target(node.value)
+    if isinstance(node, ast.If):
+        return all(_is_settings_statement(n) for n in [*node.body, *node.orelse])
+    return False
 
 
 def kind_of(path: str | None, text: str) -> str:
@@ -126,11 +140,7 @@ def kind_of(path: str | None, text: str) -> str:
         fragment_alternatives(text)  # a dict-entry fragment, or a SyntaxError for the page
         return "fragment"
     statements = [node for node in tree.body if not isinstance(node, (ast.Import, ast.ImportFrom))]
-    if statements and all(
-        isinstance(node, (ast.Assign, ast.AugAssign))
-        and all(_is_setting_target(t) for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))
-        for node in statements
-    ):
+    if statements and all(_is_settings_statement(node) for node in statements):
         return "settings"
     return "code"
 
@@ -540,3 +550,66 @@ def test_the_install_check_finds_a_module_never_installed() -> None:
     assert _python_modules_run_before_install(block("pip install build && python -m build .\n")) == []
     assert _python_modules_run_before_install(block("python3 -m pip install 'build>=1'\npython3 -m build\n")) == []
     assert _python_modules_run_before_install(block("python -m venv .venv && python -m django --version\n")) == []
+
+
+#: Settings files that are not startproject's: a tuple-style one on MySQL with options of
+#: its own (mozmeao/basket's shape), and a PostgreSQL one.
+OTHER_SETTINGS = {
+    "tuples and MySQL options": {
+        "INSTALLED_APPS": ("django.contrib.auth", "django.contrib.contenttypes"),
+        "MIDDLEWARE": ("django.middleware.common.CommonMiddleware",),
+        "DATABASES": {
+            "default": {
+                "ENGINE": "django.db.backends.mysql",
+                "OPTIONS": {"init_command": "SET sql_mode='STRICT_TRANS_TABLES'"},
+            }
+        },
+    },
+    "PostgreSQL": {
+        "INSTALLED_APPS": ["django.contrib.auth", "django.contrib.contenttypes"],
+        "MIDDLEWARE": ["django.middleware.common.CommonMiddleware"],
+        "DATABASES": {"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "app"}},
+    },
+}
+_PASTED = ("INSTALLED_APPS", "MIDDLEWARE", "DATABASES")
+
+
+def _installing_blocks() -> list[Any]:
+    found = []
+    for page in PAGES:
+        for block in read_blocks(page):
+            if block.lang != "python" or block.annotation in ("skip", "syntax"):
+                continue
+            for path, text in split_files(block.source):
+                try:
+                    ast.parse(text)
+                except SyntaxError:
+                    continue  # a fragment of a dict, merged into TOKENBUCKET by the page test
+                # Snippets that change a setting the file has (a whole new DATABASES for
+                # SQLite is a definition, not a paste).
+                changes = any(f"{n}[" in text or f"*{n}" in text or f"{n} +=" in text for n in _PASTED)
+                if kind_of(path, text) == "settings" and changes:
+                    found.append(pytest.param(text, id=block.where))
+    return found
+
+
+@pytest.mark.parametrize("shape", sorted(OTHER_SETTINGS))
+@pytest.mark.parametrize("text", _installing_blocks())
+def test_an_install_snippet_pastes_into_any_settings_file(text: str, shape: str) -> None:
+    """Issue 49: ``INSTALLED_APPS += [...]`` raised TypeError on a tuple, and an unconditional
+    ``DATABASES["default"]["OPTIONS"] = {...}`` replaced a MySQL project's options and broke
+    PostgreSQL ("invalid connection option transaction_mode")."""
+    import copy
+
+    namespace: dict[str, Any] = copy.deepcopy(OTHER_SETTINGS[shape])
+    before = copy.deepcopy(namespace)
+    namespace.setdefault("TOKENBUCKET", {})
+    namespace.setdefault("REST_FRAMEWORK", {})
+    exec(compile(text, "<snippet>", "exec"), namespace)
+    for name in ("INSTALLED_APPS", "MIDDLEWARE"):
+        assert set(before[name]) <= set(namespace[name]), name  # added to, never replaced
+    if "django_tokenbucket" in text and "INSTALLED_APPS" in text:
+        assert "django_tokenbucket" in namespace["INSTALLED_APPS"]
+    options = namespace["DATABASES"]["default"].get("OPTIONS", {})
+    assert before["DATABASES"]["default"].get("OPTIONS", {}).items() <= options.items()
+    assert "transaction_mode" not in options  # an SQLite option: PostgreSQL and MySQL refuse it

@@ -374,3 +374,42 @@ def test_a_worker_of_a_multiprocess_server_is_told_what_a_scrape_sees(monkeypatc
         assert lines == []
     else:
         assert len(lines) == 1 and warned in lines[0] and "a scrape of /metrics sees" in lines[0]
+
+
+# -- the /metrics view docs/operations.md gives -------------------------------------------------
+
+
+def documented_metrics_view():
+    """The ``# myapp/metrics.py`` block of docs/operations.md, as a user pastes it."""
+    page = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
+    text = page.read_text()
+    start = text.index("```python\n# myapp/metrics.py\n") + len("```python\n")
+    namespace: dict = {}
+    exec(compile(text[start : text.index("```", start)], "myapp/metrics.py", "exec"), namespace)
+    return namespace["metrics"]
+
+
+def test_the_documented_view_serves_this_process_counts(store, rf):
+    """Issue 49: the docs named the metric families but gave no URL to scrape them at."""
+    for _ in range(4):
+        limiter.limit("login", "documented-view")
+    response = documented_metrics_view()(rf.get("/metrics"))
+    assert response.status_code == 200 and response["Content-Type"].startswith("text/plain")
+    line = 'tokenbucket_decisions_total{backend="default",limit="login",outcome="allowed"}'
+    assert any(row.startswith(line) and float(row.split()[-1]) >= 4 for row in response.content.decode().splitlines())
+
+
+def test_the_documented_view_sums_every_worker_in_the_multiprocess_mode(tmp_path: Path, redis_store, rf, monkeypatch):
+    key = f"view-{os.getpid()}"
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, "10", key, settings.REDIS_KEY_PREFIX], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    results = [json.loads(worker.communicate(timeout=120)[0]) for worker in workers]
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    body = documented_metrics_view()(rf.get("/metrics")).content.decode()
+    allowed = [row for row in body.splitlines() if row.startswith("tokenbucket_decisions_total{") and 'outcome="allowed"' in row]
+    assert sum(float(row.split()[-1]) for row in allowed) == sum(r["allowed"] for r in results) == 30

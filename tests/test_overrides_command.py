@@ -146,7 +146,7 @@ def test_overrides_lists_what_is_in_force(clock):
         (["block", "login", "k", "--for", "soon"], "rate limit 'login': --for: 'soon' is not a duration"),
         (["block", "login", "k", "--until", "yesterday"], "rate limit 'login': --until: 'yesterday' is not a date"),
         (["block", "login", "k", "--until", "2020-01-01T00:00Z"], "rate limit 'login': until"),
-        (["block", "login", "--key", "nonsense"], "--key: 'nonsense' is not SPEC=VALUE"),
+        (["block", "login", "--key", "nonsense"], "key 'nonsense' is not SPEC=VALUE"),
         (["block", "login", "--int"], "'login': --int and --json need a KEY"),
         (["block", "login", "x", "--int"], "--int: 'x' is not an integer"),
         (["block", "login", "x", "--created-by", "x" * 151], "rate limit 'login': created_by must be at most 150"),

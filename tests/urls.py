@@ -24,6 +24,8 @@ urlpatterns = [
     path("raises/", views.raises),
     path("class/", views.ClassView.as_view()),
     path("method/", views.MethodDecorated.as_view()),
+    path("keyed-by-pk/", views.keyed_by_pk),
+    path("global-budget/", views.global_budget),
     path("probe/", views.unavailable_probe),
     path("api/default/", views.DefaultThrottled.as_view()),
     path("api/two/", views.TwoThrottles.as_view()),

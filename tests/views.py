@@ -199,3 +199,14 @@ class Things(ViewSet):
     @action(detail=False, throttle_classes=[UserRateThrottle])
     def special(self, request):
         return Response({"ok": True})
+
+
+def keyed_by_pk(request):
+    """The old Quick start's mistake: ``request.user.pk`` is None for anonymous visitors."""
+    limiter.limit("keyed_by_pk", key=request.user.pk, config="100/m")
+    return HttpResponse("ok")
+
+
+def global_budget(request):
+    limiter.limit("global_budget", config="100/m")
+    return HttpResponse("ok")

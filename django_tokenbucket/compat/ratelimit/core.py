@@ -42,7 +42,7 @@ from ...settings import tokenbucket_settings
 from ...status import Status
 from . import ALL, UNSAFE, stores
 
-__all__ = ["get_usage", "is_ratelimited", "key_from_text"]
+__all__ = ["get_usage", "is_ratelimited"]
 
 #: django-ratelimit's margin on its cache entries' lifetime, for code that reads it; each
 #: window here ends exactly, and its state expires with it.
@@ -131,6 +131,8 @@ def _masked(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
 
 def key_from_text(text: str) -> object | None:
     """Return the key this layer's ``key=`` builds, written as ``<spec>=<value>``; None if not one.
+
+    Not in ``__all__``, which is django-ratelimit's: for the admin and the command.
 
     As ``django_tokenbucket.request_keys.key_from_text`` does for the native decorator,
     with django-ratelimit's keys: ``ip=`` its masked address, ``user=`` the user's id as

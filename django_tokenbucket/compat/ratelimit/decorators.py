@@ -38,8 +38,10 @@ def ratelimit(
 
     def decorator(fn: View) -> View:
         # Known before any request is decided: the command and the admin build the keys
-        # an operator types for this group's limits as django-ratelimit's.
-        registry.record_compat_group(group if group is not None else _group_of(fn))
+        # an operator types for this group's limits as django-ratelimit's. (A function
+        # made by exec() has no module to name its group by; its first request does.)
+        if group is not None or isinstance(getattr(fn, "__module__", None), str):
+            registry.record_compat_group(group if group is not None else _group_of(fn))
 
         def limited(request: HttpRequest) -> bool:
             old_limited = getattr(request, "limited", False)
