@@ -14,7 +14,9 @@ the kinds and operations it implements, and the tests that replay it against thi
 module. A new kind needs every one of these:
 
 * an ``Algorithm`` in ``ALGORITHMS``: ``decide``, ``refund``, ``fresh``, ``refill_time``,
-  ``phased``, and a ``code`` no other kind has;
+  ``denied_later`` and ``denial_holds`` (what the deny cache answers, and for how long,
+  held to ``decide`` by tests/test_properties.py), ``phased``, and a ``code`` no other
+  kind has;
 * in ``backends/redis/lua/decide.lua``, a branch on its code in the common path (which
   leaves a code it does not know to the general path) and in the general path (which
   refuses one). The
@@ -56,11 +58,15 @@ __all__ = [
     "State",
     "algorithm_named",
     "fixed_window",
+    "fixed_window_denial_holds",
+    "fixed_window_denied_later",
     "fixed_window_refund",
     "fresh_fixed_window",
     "fresh_token_bucket",
     "lowest_value",
     "token_bucket",
+    "token_bucket_denial_holds",
+    "token_bucket_denied_later",
     "token_bucket_refund",
     "token_bucket_taken",
 ]
@@ -358,6 +364,78 @@ def _fixed_window_refill_time(amount: int, rate: int, period: int) -> int:
     return _ceil_div(amount, rate) * period
 
 
+def token_bucket_denied_later(
+    value: int,
+    retry_after: int,
+    denied_count: int,
+    count: int,
+    elapsed: int,
+    *,
+    rate: int,
+    period: int,
+    capacity: int,
+    exact: bool,
+) -> tuple[int, int] | None:
+    """Return (value, retry_after) of a call of ``count`` made ``elapsed`` µs after a denial
+    of ``denied_count`` (``count`` ≥ it) that said ``value`` and ``retry_after``, with no
+    change to the bucket meanwhile but refill; None when ``exact`` is asked and the answer
+    would be a micro-token off.
+
+    A denial changes nothing, so the bucket only refills: its value grows by the rate, and
+    the wait, measured to a fixed moment, shrinks by ``elapsed`` and grows by the refill
+    time of the larger count. The store keeps a fraction of a micro-token (the refill
+    phase) that its answer rounds away, so this may say a micro-token less, and a larger
+    count's wait a microsecond more, than the store would; ``exact`` (a pinned clock, where
+    the store's time is known exactly) answers only what it extrapolates exactly.
+    """
+    gained = rate * elapsed
+    more = count - denied_count
+    if exact and (gained % period or more * period % rate):
+        return None
+    extra = _token_bucket_refill_time(more, rate, period) if more else 0
+    return min(capacity, value + gained // period), retry_after + extra - elapsed
+
+
+def token_bucket_denial_holds(
+    value: int, retry_after: int, count: int, now: int, *, rate: int, period: int, offset: int
+) -> int | None:
+    """Return for how long (µs) a denial of ``count`` decided at ``now`` says what later
+    calls get (``token_bucket_denied_later``): until its ``retry_after``. None when it cannot
+    be carried forward: a wait longer than the refill of what is missing means the store
+    decided at a later stored time (a clock behind the bucket's last write)."""
+    if retry_after > _token_bucket_refill_time(count - value, rate, period):
+        return None
+    return retry_after
+
+
+def fixed_window_denied_later(
+    value: int,
+    retry_after: int,
+    denied_count: int,
+    count: int,
+    elapsed: int,
+    *,
+    rate: int,
+    period: int,
+    capacity: int,
+    exact: bool,
+) -> tuple[int, int] | None:
+    """``token_bucket_denied_later`` for a fixed window, within the window of the denial
+    (the caller's bound): its value is constant until the next window starts, and a larger
+    count waits whole windows more."""
+    windows_more = _ceil_div(count - value, rate) - _ceil_div(denied_count - value, rate)
+    return value, retry_after + windows_more * period - elapsed
+
+
+def fixed_window_denial_holds(
+    value: int, retry_after: int, count: int, now: int, *, rate: int, period: int, offset: int
+) -> int | None:
+    """``token_bucket_denial_holds`` for a fixed window: until its ``retry_after`` or the
+    end of the window it was decided in, whichever is first (the next one refills)."""
+    next_window = now - (now - offset) % period + period
+    return min(retry_after, next_window - now)
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """One kind of limit: its arithmetic, and what the rest of the package needs to know of it.
@@ -386,6 +464,13 @@ class Algorithm:
     fresh: Callable[[int, int, int], State]
     #: ``refill_time(amount, rate, period)``: how long (µs) a value of 0 takes to reach ``amount``.
     refill_time: Callable[[int, int, int], int]
+    #: ``denied_later(value, retry_after, denied_count, count, elapsed, *, rate, period, capacity, exact)``:
+    #: what a denial says of a later call while nothing but time changes the bucket (the
+    #: deny cache's answer), or None when it cannot say it exactly enough.
+    denied_later: Callable[..., tuple[int, int] | None]
+    #: ``denial_holds(value, retry_after, count, now, *, rate, period, offset)``: for how long
+    #: (µs) ``denied_later`` may answer from a denial decided at ``now``; None: not at all.
+    denial_holds: Callable[..., int | None]
 
 
 TOKEN_BUCKET = "token bucket"
@@ -404,6 +489,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             refund=token_bucket_refund,
             fresh=_token_bucket_fresh,
             refill_time=_token_bucket_refill_time,
+            denied_later=token_bucket_denied_later,
+            denial_holds=token_bucket_denial_holds,
         ),
         Algorithm(
             name=FIXED_WINDOW,
@@ -414,6 +501,8 @@ ALGORITHMS: dict[str, Algorithm] = {
             refund=fixed_window_refund,
             fresh=fresh_fixed_window,
             refill_time=_fixed_window_refill_time,
+            denied_later=fixed_window_denied_later,
+            denial_holds=fixed_window_denial_holds,
         ),
     )
 }

@@ -175,27 +175,24 @@ def lookup(limit: LimitConfig, store: object, digest: str, count: int) -> Recall
     elapsed = at - entry.learnt
     if pinned is not entry.pinned or not 0 <= elapsed < entry.lifetime:
         return None
-    algorithm = limit.algorithm
-    if algorithm.phased:
-        # A window's value is constant until the next window starts, and the entry ends there.
-        value = entry.value
-        windows_more = -(-(count - value) // limit.rate) - -(-(entry.count - value) // limit.rate)
-        retry_after = entry.retry_after + windows_more * limit.period - elapsed
-    else:
-        gained = limit.rate * elapsed
-        more = count - entry.count
-        # The store keeps a fraction of a micro-token (the refill phase) that its answer
-        # rounds away, so memory may say a micro-token less, and a larger count's wait a
-        # microsecond more, than the store would. On a real clock that is far below what
-        # measuring elapsed time on this process' clock rather than the store's leaves
-        # open anyway; a pinned clock (tests) pins the store's time exactly, and there
-        # memory answers only what it extrapolates exactly.
-        if pinned and (gained % limit.period or more * limit.period % limit.rate):
-            return None
-        value = min(limit.capacity, entry.value + gained // limit.period)
-        # The store's wait is measured to a fixed moment; a larger count adds its refill time.
-        extra = algorithm.refill_time(more, limit.rate, limit.period) if more else 0
-        retry_after = entry.retry_after + extra - elapsed
+    # Within an entry's lifetime (a fixed window's ends with the window) nothing but time
+    # changes what the store would say. Its error on a real clock (a micro-token) is far
+    # below what measuring elapsed time on this process' clock rather than the store's
+    # leaves open anyway; on a pinned clock memory answers only what it says exactly.
+    later = limit.algorithm.denied_later(
+        entry.value,
+        entry.retry_after,
+        entry.count,
+        count,
+        elapsed,
+        rate=limit.rate,
+        period=limit.period,
+        capacity=limit.capacity,
+        exact=pinned,
+    )
+    if later is None:
+        return None
+    value, retry_after = later
     decision = Decision(False, value, retry_after, max(0, entry.full_after - elapsed), None)
     return Recalled(decision, entry.timestamp + elapsed)
 
@@ -227,18 +224,19 @@ def remember(
     if decision.retry_after is None or decision.retry_after <= 0 or decision.state is not None:
         return  # (a state to write: the clock went back and the store rebased the bucket)
     algorithm = limit.algorithm
-    if not algorithm.phased and decision.retry_after > algorithm.refill_time(
-        count - decision.value, limit.rate, limit.period
-    ):
-        # Only a clock behind the bucket's last write waits longer than the refill: the
-        # store decided at that write's time, which this process cannot extrapolate from.
+    holds = algorithm.denial_holds(
+        decision.value,
+        decision.retry_after,
+        count,
+        timestamp,
+        rate=limit.rate,
+        period=limit.period,
+        offset=limit.window_offset(digest) if algorithm.phased else 0,
+    )
+    if holds is None:
         return
     pinned, learnt, epoch = before
-    lifetime = min(decision.retry_after, settings.max_age)
-    if limit.algorithm.phased:
-        offset = limit.window_offset(digest)
-        next_window = timestamp - (timestamp - offset) % limit.period + limit.period
-        lifetime = min(lifetime, next_window - timestamp)
+    lifetime = min(holds, settings.max_age)
     entry = _Entry(
         limit,
         store,

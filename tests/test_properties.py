@@ -1154,3 +1154,58 @@ def test_10_waits_are_never_zero_or_negative(data: st.DataObject, reserve: bool,
         state = replace(state, ts=state.ts + ahead * limit.period)
         decision = limit.fw(state, now, count, reserve)
     check_decision(limit, decision)
+
+
+# ---------------------------------------------------------------------------------------
+# The deny cache's answer (Algorithm.denied_later) is decide()'s
+# ---------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(data=st.data(), phased=st.booleans())
+def test_what_a_denial_says_of_a_later_call_is_what_decide_says(data: st.DataObject, phased: bool) -> None:
+    """Issue 50: the deny cache extrapolated a denial with arithmetic of its own, which no
+    test held to decide(): a third kind would have been answered wrongly. Here, for any
+    state, a denial of ``count0`` at ``t`` and a call of ``count >= count0`` after ``elapsed``
+    within the time the denial holds (``denial_holds``: its retry_after, a window's end), the answer is
+    decide()'s: exactly where denied_later says it is exact, else within a micro-token and
+    a microsecond (the refill phase the store keeps and its answer rounds away)."""
+    from django_tokenbucket.algorithms import ALGORITHMS, FIXED_WINDOW, TOKEN_BUCKET
+
+    limit = data.draw(limits(), "limit")
+    algorithm = ALGORITHMS[FIXED_WINDOW if phased else TOKEN_BUCKET]
+    t = data.draw(times, "t")
+    state = data.draw(fw_states(limit, t) if phased else tb_states(limit, t), "state")
+    decide = limit.fw if phased else limit.tb
+    count0 = data.draw(st.integers(1, limit.capacity), "count0")
+    denied = decide(state, t, count0)
+    assume(not denied.allowed and denied.retry_after is not None and denied.retry_after > 0)
+    lifetime = algorithm.denial_holds(
+        denied.value, denied.retry_after, count0, t, rate=limit.rate, period=limit.period, offset=limit.offset
+    )
+    assume(lifetime is not None)
+    elapsed = data.draw(st.integers(0, lifetime - 1), "elapsed")
+    count = data.draw(st.integers(count0, limit.capacity), "count")
+    later = decide(state, t + elapsed, count)
+    assert not later.allowed
+    for exact in (True, False):
+        answer = algorithm.denied_later(
+            denied.value,
+            denied.retry_after,
+            count0,
+            count,
+            elapsed,
+            rate=limit.rate,
+            period=limit.period,
+            capacity=limit.capacity,
+            exact=exact,
+        )
+        if answer is None:
+            assert exact and not phased
+            continue
+        value, retry_after = answer
+        if exact:
+            assert (value, retry_after) == (later.value, later.retry_after)
+        else:
+            assert later.value - 1 <= value <= later.value
+            assert later.retry_after <= retry_after <= later.retry_after + 1
