@@ -37,6 +37,7 @@ __all__ = [
     "as_typed",
     "encode_key",
     "is_request_data_key",
+    "key_from_json",
     "label_as_typed",
     "unredacted",
 ]
@@ -120,6 +121,20 @@ def is_request_data_key(key: object) -> bool:
     return (
         isinstance(key, tuple) and len(key) > 1 and isinstance(key[0], str) and key[0].startswith(SECRET_KINDS)
     )
+
+
+def key_from_json(value: object) -> object:
+    """Return the key a parsed JSON value stands for: arrays become tuples, as keys are.
+
+    ValueError for what no key is (a float, a bool, an object).
+    """
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, list)):
+        raise ValueError("a JSON key must be null, an integer, a string or an array of these")
+    if isinstance(value, list):
+        return tuple(key_from_json(part) for part in value)
+    return value
 
 
 def unredacted(key: object) -> object:

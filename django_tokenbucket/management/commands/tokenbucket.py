@@ -45,7 +45,7 @@ from ... import operations
 from ...backends import backend_aliases, get_backend, row_backend
 from ...backends.base import BackendError, BaseBackend, CleanupReport, StoredBucket
 from ...cleanup import MAX_BATCH_SIZE, cleanup, database_alias
-from ...keys import as_typed, encode_key
+from ...keys import as_typed, encode_key, key_from_json
 from ...limits import LimitConfig
 from ...live import FULL, LIMITED, PARTIAL, LiveState, live_state
 from ...override_operations import key_from_spec
@@ -61,13 +61,10 @@ _REQUEST_KEY_HINT = "e.g. --key post:username=alice, --key ip=203.0.113.7, --key
 
 def _from_json(value: Any) -> Any:
     """Return the key a JSON value stands for: arrays become tuples, as keys are."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, list)):
-        raise CommandError(f"a JSON key must be null, an integer, a string or an array of these ({_JSON_HINT})")
-    if isinstance(value, list):
-        return tuple(_from_json(part) for part in value)
-    return value
+    try:
+        return key_from_json(value)
+    except ValueError as exc:
+        raise CommandError(f"{exc} ({_JSON_HINT})") from None
 
 
 class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
