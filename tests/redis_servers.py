@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -71,6 +72,32 @@ def delete_keys(alias: str = "redis") -> int:
     for start in range(0, len(keys), 500):
         client.unlink(*keys[start : start + 500])
     return len(keys)
+
+
+#: Keys another user of the Redis database holds (django-redis' ``default`` cache: page
+#: caches, sessions) beside the buckets, for the listings' tests.
+OTHER_KEYS = 100_000
+
+
+@contextmanager
+def other_keys(client, count: int = OTHER_KEYS):
+    """Write ``count`` keys that no limit owns (a cache's, under a prefix of this process),
+    pipelined; delete them after. They expire in an hour should the deletion not run."""
+    names = [f"tbtest-other-{os.getpid()}:1:views.decorators.cache.cache_page.{i:06d}" for i in range(count)]
+    try:
+        for start in range(0, count, 5000):
+            pipe = client.pipeline(transaction=False)
+            for name in names[start : start + 5000]:
+                pipe.set(name, b"<html>cached</html>", ex=3600)
+            pipe.execute()
+        yield names
+    finally:
+        for start in range(0, count, 5000):
+            # One key a command: a cluster refuses an UNLINK over several slots.
+            pipe = client.pipeline(transaction=False)
+            for name in names[start : start + 5000]:
+                pipe.unlink(name)
+            pipe.execute()
 
 
 def keys_without_ttl(client, pattern: str) -> tuple[int, int]:

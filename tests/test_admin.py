@@ -16,12 +16,16 @@ from hypothesis import strategies as st
 from django_tokenbucket import admin as tb_admin
 from django_tokenbucket import limiter
 from django_tokenbucket.algorithms import MICRO, State
+from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.database.filters import count_by_state, state_q
+from django_tokenbucket.backends.redis import RedisBackend
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.limits import FIXED_WINDOW, TOKEN_BUCKET, LimitConfig
 from django_tokenbucket.live import FULL, LIMITED, PARTIAL, STATES, cleanup_span, live_state, one_token
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
+
+from .redis_servers import other_keys
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -539,3 +543,59 @@ def test_unknown_backends_limits_and_cursors_are_not_found(ops):
     assert client.get(f"{CHANGELIST}buckets/nowhere/").status_code == 404
     assert client.get(BUCKETS, {"name": "no_such_limit"}).status_code == 404
     assert client.get(BUCKETS, {"name": "login", "cursor": "not a cursor"}).status_code in (200, 404)
+
+
+# -- Redis: pages of a keyspace that holds more than the buckets ----------------------------
+
+#: What a page of Redis keys says of how far its SCAN has gone through the store.
+SCANNED = re.compile(
+    r'class="tb-scanned">(?:Looked through about (?P<some>\d+|&lt;1)% of the store’s keys so far'
+    r"|Nothing found in the ~(?P<none>\d+|&lt;1)% of the store’s keys looked through so far"
+    r"|Looked through all of the store’s keys)"
+)
+
+
+@pytest.mark.parametrize("ops_store", ["redis"], indirect=True)
+def test_the_first_page_of_redis_keys_shows_buckets_among_a_caches_keys(ops):
+    # The usual database: a cache's 10^5 keys beside five buckets. At the defaults the first
+    # page shows the buckets its SCAN found (it was 10 calls of COUNT 100, ~1% of the keys:
+    # an empty page with a Next link, 19 runs in 20).
+    keys = [f"user{i}" for i in range(5)]
+    for key in keys:
+        limiter.limit("ten_per_minute", key, count=10)  # empty: stored for a minute
+    viewer = client_for(make_user("viewer", "view_ratelimit"))
+    with other_keys(get_backend().client()):
+        first = viewer.get(BUCKETS, {"name": "ten_per_minute"}).content.decode()
+        assert digests_listed(first), "the first page shows none of the limit's keys"
+        assert SCANNED.search(first) is not None
+        found, _pages = all_pages(viewer, "ten_per_minute")
+    assert sorted(set(found)) == sorted(encode_key(key).digest for key in keys)
+
+
+@pytest.mark.parametrize("ops_store", ["redis"], indirect=True)
+def test_a_page_that_finds_nothing_yet_says_how_far_it_looked(ops, monkeypatch):
+    # A page's SCAN stops at its time budget, found or not: here one call a page.
+    monkeypatch.setattr(RedisBackend, "scan_budget", 0.0)
+    limiter.limit("ten_per_minute", "alice")
+    viewer = client_for(make_user("viewer", "view_ratelimit"))
+    with other_keys(get_backend().client()):
+        first = viewer.get(BUCKETS, {"name": "ten_per_minute"}).content.decode()
+    assert digests_listed(first) == [] and 'class="tb-next-page"' in first
+    assert SCANNED.search(first).group("none") is not None
+
+
+@pytest.mark.parametrize("ops_store", ["redis"], indirect=True)
+def test_a_forged_redis_cursor_is_not_found(ops):
+    # The cursor of a page link is "<primary> <SCAN cursor>": decimal ASCII digits, a
+    # primary of the store, a cursor below 2^64 (Redis refuses larger ones: a store failure).
+    limiter.limit("ten_per_minute", "alice")
+    viewer = client_for(make_user("viewer", "view_ratelimit"))
+    forged = ["0 -1", "0 +5", "0 \uff15", "0 1_0", " 0 5", "0 5 ", "0  5", "0 5\n", "1 0", "0x1 0", "0 0 0"]
+    forged += [f"0 {2**64}", "0 " + "9" * 5000, "9" * 5000 + " 0", "0", " "]
+    for cursor in forged:
+        response = viewer.get(BUCKETS, {"name": "ten_per_minute", "cursor": cursor})
+        assert response.status_code == 404, cursor
+    # Any cursor Redis could have made is a page from there, within the page's budget.
+    for cursor in ("0 0", "0 12345", f"0 {2**64 - 1}"):
+        response = viewer.get(BUCKETS, {"name": "ten_per_minute", "cursor": cursor})
+        assert response.status_code == 200 and "The store failed" not in response.content.decode(), cursor

@@ -36,6 +36,7 @@ from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.base import BUSY_WINDOW, BackendError, Outcome, Request
 from django_tokenbucket.backends.redis import BIGNUM_MARKER, SCRIPT, RedisBackend, state_key
 from django_tokenbucket.backends.redis.connections import _client_retries, packed_read
+from django_tokenbucket.backends.redis.keyspace import cursor_carries_slot, scanned_fraction
 from django_tokenbucket.backends.redis.script import MAX_TTL_MS, _decision, _make_outcome, _msgpack, _reply_outcome
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.limits import FIXED_WINDOW, LimitConfig, parse_limit
@@ -44,7 +45,7 @@ from django_tokenbucket.testing import frozen_clock
 from . import parity
 from .concurrency import hammer, run_processes, sized, summarise
 from .parity import ALICE, ONE_PER_SECOND
-from .redis_servers import RedisServer, delete_keys, keys_without_ttl
+from .redis_servers import RedisServer, delete_keys, keys_without_ttl, other_keys
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
 pytestmark = pytest.mark.redis
@@ -863,6 +864,110 @@ def test_a_bad_cursor_or_digest_prefix_is_a_clear_error(backend):
         backend.list_buckets(config, digest_prefix="ABC*")
     with pytest.raises(ValueError, match="batch_size must be between 1 and 1000"):
         backend.reset_all(config, batch_size=0)
+
+
+def test_a_bad_scan_cursor_is_refused_before_it_reaches_redis(backend):
+    config = parse_limit("ten_per_minute", BASE_SETTINGS["LIMITS"]["ten_per_minute"])
+    for cursor in ("0 \uff15", "0 +5", "0 1_0", "0 -1", f"0 {2**64}", "0 " + "9" * 5000, "1 0", "0 5 "):
+        with pytest.raises(ValueError, match=r"rate limit 'ten_per_minute': .* is not a cursor of this store's"):
+            backend.list_buckets(config, cursor=cursor)
+    assert backend.list_buckets(config, cursor=f"0 {2**64 - 1}").buckets == []
+
+
+def test_a_limit_name_with_glob_characters_lists_only_its_own_keys(backend):
+    # Names outside [A-Za-z0-9_.-] are hashed in the key, so MATCH never sees their globs.
+    names = ["a", "a*", "a?", "[a]", "a[", "a\\", "ab", "*", "?", "tokenbucket:*"]
+    configs = {name: parse_limit(name, "10/m") for name in names}
+    with frozen_clock(T0):
+        for index, name in enumerate(names):
+            backend.decide([Request(configs[name], encode_key(f"key{index}"), MICRO)], apply=True)
+        for index, name in enumerate(names):
+            listed = backend.list_buckets(configs[name])
+            assert [bucket.digest for bucket in listed.buckets] == [encode_key(f"key{index}").digest], name
+            prefix = encode_key(f"key{index}").digest[:10]
+            assert len(backend.list_buckets(configs[name], digest_prefix=prefix).buckets) == 1, name
+        assert backend.count_buckets(list(configs.values())) == dict.fromkeys(names, 1)
+        assert backend.reset_all(configs["*"]) == 1 and backend.reset_all(configs["a*"]) == 1
+        assert backend.count_buckets(list(configs.values())) == {name: int(name not in ("*", "a*")) for name in names}
+
+
+def test_a_page_stops_at_its_time_budget_and_says_how_far_it_looked(backend, monkeypatch):
+    # Nothing of the limit among 10^5 other keys, one SCAN call a page (a budget of 0 s):
+    # every page is bounded although nothing matches, and its estimate goes up to the end.
+    config = parse_limit("ten_per_minute", BASE_SETTINGS["LIMITS"]["ten_per_minute"])
+    monkeypatch.setattr(backend, "scan_budget", 0.0)
+    with frozen_clock(T0):
+        backend.decide([Request(config, ALICE, 10 * MICRO)], apply=True)  # empty: stored for a minute
+        with other_keys(backend.client()):
+            cursor, found, progress = None, [], []
+            while True:
+                page = backend.list_buckets(config, cursor=cursor, page_size=1000)
+                found += [bucket.digest for bucket in page.buckets]
+                progress.append(page.progress)
+                if page.cursor is None:
+                    break
+                cursor = page.cursor
+    assert found == [ALICE.digest]
+    # One call of COUNT 1000 a page: about 100 pages for 10^5 keys, each further on.
+    assert 50 <= len(progress) <= 200
+    assert progress == sorted(progress) and progress[-1] == 1.0 and 0 < progress[0] < 0.05
+    assert 0.3 < progress[len(progress) // 2] < 0.7
+
+
+def test_a_page_of_dense_keys_stops_once_it_is_full(backend):
+    # As before the budget: the first call's COUNT is the page size, and a full page stops.
+    config = parse_limit("ten_per_minute", BASE_SETTINGS["LIMITS"]["ten_per_minute"])
+    with frozen_clock(T0):
+        for user in range(400):
+            backend.decide([Request(config, encode_key(user), MICRO)], apply=True)
+        page = backend.list_buckets(config, page_size=100)
+    assert 100 <= len(page.buckets) < 200 and page.cursor is not None and 0 < page.progress < 1
+
+
+def redis_scan_cursors(bits: int) -> list[int]:
+    """The cursors SCAN returns over a table of 2^bits buckets, in order (dictScan's
+    reverse-binary increment of the cursor's masked bits), the final 0 left out."""
+    mask, full = (1 << bits) - 1, (1 << 64) - 1
+    reverse = lambda value: int(f"{value:064b}"[::-1], 2)  # noqa: E731
+    cursors, cursor = [], 0
+    while True:
+        cursor = reverse((reverse((cursor | ~mask) & full) + 1) & full)
+        if cursor == 0:
+            return cursors
+        cursors.append(cursor)
+
+
+@pytest.mark.parametrize("bits", [1, 4, 10, 17])
+def test_the_share_of_the_keyspace_scanned_is_the_cursor_with_its_bits_reversed(bits):
+    # Whatever the table's size: the k-th cursor of 2^bits buckets is k / 2^bits of the way.
+    cursors = redis_scan_cursors(bits)
+    assert len(cursors) == 2**bits - 1
+    assert [scanned_fraction(cursor) for cursor in cursors] == [k / 2**bits for k in range(1, 2**bits)]
+
+
+def test_a_cursor_that_carries_a_slot_is_read_over_the_nodes_slots():
+    # A cluster node of Redis 7.4+ or Valkey 8+ keeps a table per slot: slot in the low 14 bits.
+    slots = list(range(5461, 10923))
+    assert scanned_fraction(5461, slots) == 0.0
+    assert scanned_fraction(8192, slots) == (8192 - 5461) / len(slots)
+    assert scanned_fraction((1 << 14) | 5461, slots) == 0.5 / len(slots)
+    assert scanned_fraction((3 << 14) | 10922, slots) == (len(slots) - 1 + 0.75) / len(slots)
+
+
+@pytest.mark.parametrize(
+    "server, carries",
+    [
+        ({"redis_version": "7.0.15"}, False),
+        ({"redis_version": "7.2.4"}, False),
+        ({"redis_version": "7.4.0"}, True),
+        ({"redis_version": "8.0.2"}, True),
+        ({"redis_version": "7.2.4", "server_name": "valkey", "valkey_version": "7.2.5"}, False),
+        ({"redis_version": "7.2.4", "server_name": "valkey", "valkey_version": "8.0.1"}, True),
+        ({}, False),
+    ],
+)
+def test_which_cluster_nodes_carry_a_slot_in_their_cursors(server, carries):
+    assert cursor_carries_slot(server) is carries
 
 
 @pytest.mark.redis_processes

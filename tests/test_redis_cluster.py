@@ -26,7 +26,7 @@ from django_tokenbucket.keys import encode_key
 from django_tokenbucket.testing import frozen_clock
 
 from .concurrency import hammer, run_processes, sized, summarise
-from .redis_servers import LocalCluster, keys_without_ttl
+from .redis_servers import LocalCluster, keys_without_ttl, other_keys
 from .settings import TOKENBUCKET as BASE_SETTINGS
 from .test_admin import (  # noqa: F401  (the admin's cases on every backend, run here on the cluster)
     test_buckets_of_every_backend_page_by_page,
@@ -34,6 +34,7 @@ from .test_admin import (  # noqa: F401  (the admin's cases on every backend, ru
     test_resets_need_the_permission_post_and_csrf,
     test_search_inspect_and_reset_one_key,
     test_the_banner_says_what_a_backend_cannot_show,
+    test_the_first_page_of_redis_keys_shows_buckets_among_a_caches_keys,
 )
 from .test_command import (  # noqa: F401  (the command's cases on every backend)
     test_cleanup_runs_where_buckets_are_rows,
@@ -105,21 +106,47 @@ def test_listing_pages_through_every_primary_and_resets_them_all(cluster, redis_
         limiter.limit("login", "other")
     per_node = [server.client().dbsize() for server in masters(cluster)]
     assert len(per_node) == 3 and all(n > 0 for n in per_node)
-    digests, cursor, pages, largest = [], None, 0, 0
+    digests, cursor, pages, largest, progress = [], None, 0, 0, []
     while True:
         page = redis_backend.list_buckets(config, cursor=cursor, page_size=20)
         digests += [bucket.digest for bucket in page.buckets]
         pages += 1
         largest = max(largest, len(page.buckets))
+        progress.append(page.progress)
         if page.cursor is None:
             break
         cursor = page.cursor
     # Every key, although they lie on three primaries; in pages of about 20 (COUNT is a hint to SCAN).
     assert sorted(set(digests)) == sorted(encode_key(user).digest for user in range(300))
     assert pages >= 300 // 60 and largest <= 60
+    # How far the listing has looked goes up over the primaries, each a third, to the end.
+    assert progress == sorted(progress) and progress[-1] == 1.0 and progress[0] < 1 / 3
     assert redis_backend.count_buckets([config, limiter.resolve("login")]) == {"ten_per_minute": 300, "login": 1}
     assert redis_backend.reset_all(config, batch_size=50) == 300
     assert redis_backend.count_buckets([config, limiter.resolve("login")]) == {"ten_per_minute": 0, "login": 1}
+
+
+def test_a_page_of_the_cluster_stops_at_its_time_budget_and_says_how_far_it_looked(cluster, redis_backend, monkeypatch):
+    config = limiter.resolve("ten_per_minute")
+    monkeypatch.setattr(redis_backend, "scan_budget", 0.0)  # one SCAN call a page
+    with frozen_clock(T0):
+        for user in range(3):
+            limiter.limit("ten_per_minute", user, count=10)  # empty: stored for a minute
+    with other_keys(redis_backend.client(), 30_000):
+        digests, cursor, progress = [], None, []
+        while True:
+            page = redis_backend.list_buckets(config, cursor=cursor, page_size=1000)
+            digests += [bucket.digest for bucket in page.buckets]
+            progress.append(page.progress)
+            if page.cursor is None:
+                break
+            cursor = page.cursor
+    assert sorted(digests) == sorted(encode_key(user).digest for user in range(3))
+    # About 10^4 keys a primary, 10 calls of COUNT 1000 on each: every page bounded, the
+    # estimate going up through each primary's third.
+    assert 20 <= len(progress) <= 60 and progress == sorted(progress) and progress[-1] == 1.0
+    for third in range(3):
+        assert any(third / 3 < share < (third + 1) / 3 for share in progress), third
 
 
 def masters(cluster: LocalCluster):

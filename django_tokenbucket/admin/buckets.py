@@ -160,14 +160,15 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def _find(
         self, backend: BaseBackend, known: KnownLimit, term: str, cursor: str | None
-    ) -> tuple[list[StoredBucket], int, str | None]:
-        """Buckets for a search, the store's time and where the search goes on.
+    ) -> tuple[list[StoredBucket], int, str | None, float | None]:
+        """Buckets for a search, the store's time, where the search goes on and how far it
+        has looked (``BucketPage.progress``).
 
         The exact key typed (and its shards) is a direct read; a digest prefix is a
         listing of its own, page by page (on Redis a SCAN of the keyspace).
         """
         found: dict[str, StoredBucket] = {}
-        now, next_cursor = 0, None
+        now, next_cursor, progress = 0, None, None
         if cursor is None:
             whole = known_limits(as_rows=False)[known.name].config
             for key in dict.fromkeys(k for k in (term, key_from_text(term)) if k is not None):
@@ -180,8 +181,8 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
                 known.config, cursor=cursor, digest_prefix=term.lower(), page_size=self.bucket_page_size
             )
             found.update((bucket.digest, bucket) for bucket in page.buckets)
-            now, next_cursor = page.now, page.cursor
-        return sorted(found.values(), key=lambda bucket: bucket.digest), now, next_cursor
+            now, next_cursor, progress = page.now, page.cursor, page.progress
+        return sorted(found.values(), key=lambda bucket: bucket.digest), now, next_cursor, progress
 
     def buckets_view(self, request: HttpRequest, alias: str) -> HttpResponse:
         """A page of one limit's buckets on backend ``alias`` (``?name=``, ``?cursor=``, ``?q=``)."""
@@ -207,12 +208,13 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
         known = self._limit_of(alias, name)
         term = request.GET.get("q", "")
         cursor = request.GET.get("cursor") or None
+        progress: float | None = None
         try:
             if term.strip():
-                buckets, now, next_cursor = self._find(backend, known, term.strip(), cursor)
+                buckets, now, next_cursor, progress = self._find(backend, known, term.strip(), cursor)
             else:
                 page = backend.list_buckets(known.config, cursor=cursor, page_size=self.bucket_page_size)
-                buckets, now, next_cursor = page.buckets, page.now, page.cursor
+                buckets, now, next_cursor, progress = page.buckets, page.now, page.cursor, page.progress
         except ValueError as exc:  # a cursor or digest this store did not make
             raise Http404(str(exc)) from None
         except BackendError as exc:
@@ -221,6 +223,7 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
         context.update(
             {
                 "q": term,
+                "scanned": _scanned_note(progress, more=next_cursor is not None, empty=not buckets),
                 "config": describe_rate(known.config),
                 "now": _local_time(now) if now else None,
                 "rows": [self._bucket_row(alias, known, bucket, now) for bucket in buckets],
@@ -361,6 +364,26 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
             messages.SUCCESS,
         )
         return HttpResponseRedirect(list_url)
+
+
+def _scanned_note(progress: float | None, *, more: bool, empty: bool) -> str | None:
+    """What a page says of how far its listing has looked through the store (on Redis a
+    SCAN's estimate), so that a page without keys reads as "not yet", not "none"."""
+    if progress is None:
+        return None
+    if not more:
+        return str(_("Looked through all of the store’s keys."))
+    # Rounded down, and never 100% before the end: the figure must not claim more.
+    percent = "<1" if progress < 0.01 else str(min(99, int(progress * 100)))
+    if empty:
+        return str(
+            _("Nothing found in the ~%(percent)s%% of the store’s keys looked through so far: the next page goes on.")
+            % {"percent": percent}
+        )
+    return str(
+        _("Looked through about %(percent)s%% of the store’s keys so far: the next page goes on.")
+        % {"percent": percent}
+    )
 
 
 def _log_reset(request: HttpRequest, alias: str, name: str, digest: str, message: str) -> None:

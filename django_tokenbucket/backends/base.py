@@ -95,6 +95,10 @@ class BucketPage:
     cursor: str | None
     #: The store's clock when the page was read, in µs since the epoch.
     now: int
+    #: How far through the store the listing has looked up to this page's end, 0 to 1
+    #: (1 after the last page); an estimate where the store walks a keyspace (Redis'
+    #: SCAN). None when the backend does not say.
+    progress: float | None = None
 
 
 #: Resets and cleanups of many buckets go in batches of at most this many: larger

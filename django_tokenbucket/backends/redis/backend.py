@@ -19,8 +19,8 @@ The async API (``alimit``...) decides on redis-py's asyncio client, built from t
 cache settings (``aio``), one per event loop: no thread per decision.
 
 For the admin and the command, a limit's buckets are listed with ``SCAN`` (``MATCH`` on
-the limit's key pattern, a bounded ``COUNT``, on every primary of a cluster), never
-``KEYS``. A stored value is ``"<value> <ts>"`` only: no readable label is kept (it
+the limit's key pattern, a bounded ``COUNT``, on every primary of a cluster, a page
+bounded by time: ``keyspace``), never ``KEYS``. A stored value is ``"<value> <ts>"`` only: no readable label is kept (it
 would cost every decision an argument, and a process running the previous script
 could not read such a value during a rolling upgrade), so buckets are shown by their
 digest and found by their exact key.
