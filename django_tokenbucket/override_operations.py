@@ -13,6 +13,7 @@ stamp in the same transaction, so every process notices.
 from __future__ import annotations
 
 import getpass
+import json
 import re
 import socket
 from dataclasses import dataclass
@@ -24,19 +25,21 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from . import clock, overrides, registry
+from . import clock, operations, overrides, registry
 from .algorithms import MICRO
 from .api import limiter
+from .backends.base import BackendError
 from .compat.ratelimit.core import key_from_text as compat_key_from_text
-from .keys import label_as_typed
+from .keys import encode_key, key_from_json, label_as_typed
 from .limits import LimitConfig, to_micro
 from .models import LimitOverride
 from .rates import UNIT_SECONDS, parse_rate, to_fraction
-from .request_keys import key_from_text
+from .request_keys import canonical_spec, key_from_text
 from .text import describe_rate, format_duration, format_tokens
 
 __all__ = [
     "DURATION_HINT",
+    "KEY_FORMS",
     "KEY_HINT",
     "Panel",
     "author",
@@ -49,9 +52,12 @@ __all__ = [
     "multiplied",
     "now",
     "numbers_from_text",
+    "operator_key",
+    "override_spec_key",
     "panel",
     "parse_duration",
     "rate_text",
+    "reached",
     "refused_views",
     "replaced",
     "resave",
@@ -112,6 +118,91 @@ def key_from_spec(name: str, text: str) -> object:
             raise ValueError(f"rate limit {name!r}: key {text.strip()!r}: {value.strip()!r} is not an IP address")
         raise ValueError(f"rate limit {name!r}: key {text.strip()!r} is not SPEC=VALUE ({KEY_HINT})")
     return key
+
+
+#: How an operator may write a key (the admin's choice; the command's KEY, --key, --json).
+KEY_FORMS = {
+    "auto": "SPEC=VALUE as a view's key= builds it (ip=…, user=…, header:…=…), else the text",
+    "text": "the text, as passed to the API: 42 and \"42\" are one bucket, a UUID its text",
+    "json": 'JSON, as passed to the API: 42, "alice", ["tenant", 7] (a tuple)',
+}
+
+
+def operator_key(name: str, text: str, form: str = "auto") -> object:
+    """Return the key an operator wrote for limit ``name`` in ``form`` (``KEY_FORMS``);
+    None for an empty text (every key of the limit).
+
+    ``auto`` takes SPEC=VALUE (``key_from_spec``) when the text starts with a spec the
+    decorator knows, and the text itself otherwise: the Quick start's
+    ``key=request.user.pk`` is reached by typing ``1``. ValueError naming the limit for
+    what no key is, and for a spec that no view of the limit keys by (with the ones they do).
+    """
+    if not text.strip():
+        return None
+    if form == "json":
+        try:
+            return key_from_json(json.loads(text))
+        except ValueError as exc:  # JSONDecodeError is one
+            raise ValueError(f"rate limit {name!r}: key {text!r} is not a key as JSON: {exc}") from None
+    if form == "text":
+        return text
+    if form != "auto":
+        raise ValueError(f"rate limit {name!r}: {form!r} is not a way to write a key ({', '.join(KEY_FORMS)})")
+    spec, separator, _value = text.partition("=")
+    if not separator or not _is_spec(spec.strip()):
+        return text
+    return override_spec_key(name, text)
+
+
+def override_spec_key(name: str, text: str) -> object:
+    """``key_from_spec`` for an override: ValueError too when the views of limit ``name``
+    are known and none keys by the spec typed (the override would reach no request)."""
+    key = key_from_spec(name, text)
+    if key is not None:
+        _check_spec_used(name, canonical_spec(text.partition("=")[0].strip()))
+    return key
+
+
+def _is_spec(spec: str) -> bool:
+    kind, colon, field = canonical_spec(spec).partition(":")
+    return spec in ("ip", "user", "username") or (bool(colon) and bool(field) and kind in ("header", "get", "post"))
+
+
+def _check_spec_used(name: str, spec: str) -> None:
+    """ValueError when the views of limit ``name`` are known and none keys by ``spec``: the
+    override would reach a bucket no request uses (``user=1`` on a limit keyed by address)."""
+    uses = registry.uses(name)
+    if not uses or any(use.key is None or "." in use.key for use in uses):
+        return  # no view known, or one whose key is a callable: any key may be right
+    keyed_by = {canonical_spec(use.key) for use in uses if use.key is not None}
+    reachable = set(keyed_by) | ({"ip", "user"} if "user_or_ip" in keyed_by else set())
+    if spec in reachable:
+        return
+    views = ", ".join(sorted(f"{use.view} (key={use.key!r})" for use in uses))
+    raise ValueError(
+        f"rate limit {name!r}: no view keys it by {spec!r}, so an override of {spec}=… would reach a bucket "
+        f"no request uses; its views: {views}"
+    )
+
+
+def reached(limit: LimitConfig, key: object) -> str:
+    """Say which bucket an override of ``key`` reaches, and whether the store holds it: an
+    operator who typed the wrong key sees "never stored" rather than a silent no-op."""
+    if key is None:
+        return "every key of the limit"
+    encoded = encode_key(key)
+    shown = encoded.label or f"{encoded.digest[:12]}…"
+    try:
+        stored = operations.is_stored(operations.store_of(limit), limit, encoded)
+    except BackendError:
+        stored = None
+    if stored is None:
+        state = "the store cannot say whether it holds it"
+    elif stored:
+        state = "stored: requests have used it"
+    else:
+        state = "not stored: no request has used it lately (a key nobody uses, or one full again)"
+    return f"the bucket {shown} (digest {encoded.digest[:12]}…), {state}"
 
 
 def author(user: str | None = None) -> str:
