@@ -1,5 +1,5 @@
 """The attacker's third round (issue 47), what operators type: items 3, 4 and 11, what a
-second look at the command, the admin forms and the parsers found (O1-O6), and 49.9.
+second look at the command, the admin forms and the parsers found (O1-O7), and 49.9.
 
 Each test failed on 4c6264d, the code before the fixes, but the two that hold a bound's
 other side (a hundred years and a factor in range still accepted): 3 a reason holding
@@ -12,8 +12,9 @@ factor before its range check. Then: O1 ``--json`` and ``--int`` keys the comman
 cannot read, O2 cleanup's ``--pause``, ``--unknown-idle`` and ``--max-seconds``, O3 a
 limit option quoted whole, O4 what an operator typed quoted whole in an error, O5 an
 end stored before the bound, which no page could show east of UTC, O6 a period too
-long called a number of tokens. Run on the database (SQLite, PostgreSQL or MariaDB,
-whichever the run uses); the bucket page on Redis too.
+long called a number of tokens, O7 the command's amounts read as floats. Run on the
+database (SQLite, PostgreSQL or MariaDB, whichever the run uses); the bucket page on
+Redis too.
 """
 
 from __future__ import annotations
@@ -432,6 +433,20 @@ def test_o6_a_rate_strings_period_too_long_is_said_in_seconds():
     with pytest.raises(ValueError, match=r"rate limit 'login': period must be .* up to 9007199254 seconds") as caught:
         numbers_from_text(_login(), "1/99999999999999999999999999d", None, None)
     assert "tokens" not in str(caught.value)  # was: "period must be at most 9,007,199,254 tokens"
+
+
+# -- O7. the command's amounts read as floats ------------------------------------------------------
+
+
+def test_o7_the_commands_amounts_are_read_exactly_as_the_forms_read_them():
+    with pytest.raises(CommandError, match=r"rate limit 'login': override: capacity must have at most 6 decimal"):
+        run("override", "login", "x", "--capacity", "1.0000000000000001")  # was: a float, 1.0, accepted
+    with pytest.raises(CommandError, match=r"--max-reserved: '1{40}'\.\.\. \(41 characters\) is longer than any"):
+        run("override", "login", "x", "--max-reserved", "1" * 41)
+    assert not LimitOverride.objects.exists()
+    run("override", "login", "x", "--capacity", "2.5", "--max-reserved", "1e1")
+    row = LimitOverride.objects.get()
+    assert (row.capacity, row.max_reserved) == (2_500_000, 10 * MICRO)
 
 
 # -- 49.9 the bucket page's message keeps the limit's name as it is written ----------------------
