@@ -241,7 +241,7 @@ def parse_limit(name: object, spec: object) -> LimitConfig:
     """
     if not isinstance(name, str) or not name or name != name.strip() or not name.isprintable():
         raise ImproperlyConfigured(
-            f"rate limit name {name!r} must be a non-empty printable string without "
+            f"rate limit name {shown(name)} must be a non-empty printable string without "
             f"leading or trailing spaces"
         )
     if len(name) > MAX_NAME_LENGTH:
@@ -258,18 +258,18 @@ def _parse_spec(name: str, spec: object) -> LimitConfig:
     if isinstance(spec, str):
         spec = {"rate": spec}
     if not isinstance(spec, Mapping):
-        raise ValueError(f"expected a dict such as {{'rate': '10/m'}} or a rate string, not {spec!r}")
+        raise ValueError(f"expected a dict such as {{'rate': '10/m'}} or a rate string, not {shown(spec)}")
     unknown = set(spec) - _KNOWN_KEYS
     if unknown:
         raise ValueError(
-            f"unknown option(s) {', '.join(sorted(map(repr, unknown)))}; "
+            f"unknown option(s) {', '.join(sorted(map(shown, unknown))[:10])}; "
             f"expected some of {', '.join(sorted(_KNOWN_KEYS))}"
         )
     kind_given = spec.get("kind", TOKEN_BUCKET)
     algorithm = algorithm_named(kind_given) if isinstance(kind_given, str) else None
     if algorithm is None:
         kinds = " or ".join(map(repr, ALGORITHMS))
-        raise ValueError(f"kind must be {kinds}, not {kind_given!r}")
+        raise ValueError(f"kind must be {kinds}, not {shown(kind_given)}")
     kind = algorithm.name
 
     if "rate" not in spec:
@@ -278,13 +278,13 @@ def _parse_spec(name: str, spec: object) -> LimitConfig:
     if isinstance(rate_given, str):
         if "period" in spec:
             raise ValueError(
-                f"give the period either in the rate string {rate_given!r} or as 'period', not both"
+                f"give the period either in the rate string {shown(rate_given)} or as 'period', not both"
             )
         tokens, period_s = parse_rate(rate_given)
     else:
         tokens = to_fraction(rate_given, "rate")
         if "period" not in spec:
-            raise ValueError(f"a numeric rate {rate_given!r} needs 'period' (seconds or a timedelta)")
+            raise ValueError(f"a numeric rate {shown(rate_given)} needs 'period' (seconds or a timedelta)")
         period_s = parse_period(spec["period"])
     if tokens <= 0:
         raise ValueError(f"rate must be positive, not {rate_given!r}")
@@ -328,11 +328,11 @@ def _parse_spec(name: str, spec: object) -> LimitConfig:
 
     shadow = spec.get("shadow", False)
     if not isinstance(shadow, bool):
-        raise ValueError(f"shadow must be True or False, not {shadow!r}")
+        raise ValueError(f"shadow must be True or False, not {shown(shadow)}")
 
     shards = spec.get("shards", 1)
     if type(shards) is not int or not 1 <= shards <= MAX_SHARDS:
-        raise ValueError(f"shards must be a whole number from 1 to {MAX_SHARDS}, not {shards!r}")
+        raise ValueError(f"shards must be a whole number from 1 to {MAX_SHARDS}, not {shown(shards)}")
     # Equal shards: every row of the limit reads under one config (the admin, cleanup).
     uneven = [
         what
@@ -347,11 +347,11 @@ def _parse_spec(name: str, spec: object) -> LimitConfig:
 
     deny_cache = spec.get("deny_cache", True)
     if not isinstance(deny_cache, bool):
-        raise ValueError(f"deny_cache must be True or False, not {deny_cache!r}")
+        raise ValueError(f"deny_cache must be True or False, not {shown(deny_cache)}")
 
     backend = spec.get("backend", DEFAULT_BACKEND_ALIAS)
     if not isinstance(backend, str) or not backend:
-        raise ValueError(f"backend must be an alias in TOKENBUCKET['BACKENDS'] (a str), not {backend!r}")
+        raise ValueError(f"backend must be an alias in TOKENBUCKET['BACKENDS'] (a str), not {shown(backend)}")
 
     return LimitConfig(
         name=name,

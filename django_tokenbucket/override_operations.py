@@ -33,7 +33,7 @@ from .compat.ratelimit.core import key_from_text as compat_key_from_text
 from .keys import encode_key, key_from_json, label_as_typed
 from .limits import LimitConfig, to_micro
 from .models import LimitOverride
-from .rates import UNIT_SECONDS, parse_rate, to_fraction
+from .rates import UNIT_SECONDS, parse_rate, shown, to_fraction
 from .request_keys import canonical_spec, key_from_text
 from .text import describe_rate, format_duration, format_tokens
 
@@ -48,6 +48,7 @@ __all__ = [
     "ends",
     "expire",
     "factor_of",
+    "in_local_time",
     "key_from_spec",
     "multiplied",
     "now",
@@ -69,6 +70,11 @@ KEY_HINT = "e.g. post:username=alice, username=alice, header:X-Api-Key=..., get:
 DURATION_HINT = "e.g. 90s, 30m, 1h, 7d, 2w"
 
 _WEEK = 7 * 86_400
+#: Longer than any number or duration an operator types means: refused before it is read.
+_MAX_NUMBER_LENGTH = 40
+#: The range of "give ×N".
+_MAX_FACTOR = 1_000_000
+_FACTOR_RANGE = f"the factor must be a number above 0 and at most {_MAX_FACTOR:,}"
 _DURATION = re.compile(r"\s*([0-9]{1,9})\s*([a-z]+)\s*", re.ASCII)
 #: The largest unit first: how a period is written back as a rate string.
 _RATE_UNITS = ((86_400, "d"), (3_600, "h"), (60, "m"), (1, "s"))
@@ -84,20 +90,21 @@ def parse_duration(text: str) -> timedelta:
 
     The units of rate strings (``s``, ``m``/``min``, ``h``, ``d``, and their words) and
     weeks: one number and one unit, which is what an operator writes for "block for a
-    week" and never reads two ways.
+    week" and never reads two ways. At most ``overrides.LONGEST`` (100 years), the
+    longest an override may last.
     """
-    match = _DURATION.fullmatch(text.lower())
+    # The pattern takes 9 digits at most: int() of them costs nothing, whatever was sent.
+    match = _DURATION.fullmatch(text.lower()) if len(text) <= _MAX_NUMBER_LENGTH else None
     seconds = None
     if match is not None:
         unit = match[2]
         size = _WEEK if unit in ("w", "week", "weeks") else UNIT_SECONDS.get(unit)
         seconds = None if size is None else int(match[1]) * size
     if not seconds:
-        raise ValueError(f"{text!r} is not a duration ({DURATION_HINT})")
-    try:
-        return timedelta(seconds=seconds)
-    except OverflowError:
-        raise ValueError(f"{text!r} is too long a duration") from None
+        raise ValueError(f"{shown(text)} is not a duration ({DURATION_HINT})")
+    if seconds > overrides.LONGEST.total_seconds():
+        raise ValueError(f"{shown(text)} is a duration longer than {overrides.LONGEST_TEXT}")
+    return timedelta(seconds=seconds)
 
 
 def key_from_spec(name: str, text: str) -> object:
@@ -115,8 +122,9 @@ def key_from_spec(name: str, text: str) -> object:
     if key is None:
         spec, separator, value = text.partition("=")
         if separator and spec.strip() == "ip":
-            raise ValueError(f"rate limit {name!r}: key {text.strip()!r}: {value.strip()!r} is not an IP address")
-        raise ValueError(f"rate limit {name!r}: key {text.strip()!r} is not SPEC=VALUE ({KEY_HINT})")
+            problem = f"{shown(value.strip())} is not an IP address"
+            raise ValueError(f"rate limit {name!r}: key {shown(text.strip())}: {problem}")
+        raise ValueError(f"rate limit {name!r}: key {shown(text.strip())} is not SPEC=VALUE ({KEY_HINT})")
     return key
 
 
@@ -286,13 +294,23 @@ def ends(row: LimitOverride) -> datetime | None:
     return timezone.make_aware(row.expires_at)
 
 
+def in_local_time(moment: datetime) -> datetime:
+    """Return ``moment`` in the project's time zone, or as it is (UTC, from the database)
+    when that zone's clock would pass year 9999: an end stored before ``overrides.LONGEST``
+    bounded it must not make every page and listing that shows it fail."""
+    try:
+        return timezone.localtime(moment)
+    except OverflowError:
+        return moment
+
+
 def describe_expiry(row: LimitOverride, at: datetime | None = None) -> str:
     """When ``row`` ends: "never", "in 2 h (2026-11-26 12:00 UTC)", or "expired 2026-11-26 12:00 UTC"."""
     end = ends(row)
     if end is None:
         return "never"
     at = at or now()
-    moment = timezone.localtime(end).strftime("%Y-%m-%d %H:%M:%S %Z")
+    moment = in_local_time(end).strftime("%Y-%m-%d %H:%M:%S %Z")
     if end <= at:
         return f"expired {moment}"
     left = (end - at) // timedelta(microseconds=1)
@@ -335,7 +353,9 @@ def numbers_from_text(
         if rate:
             tokens, seconds = parse_rate(rate.strip())
             numbers["rate"] = to_micro(tokens, "rate", rate)
-            numbers["period"] = to_micro(seconds, "period", rate)
+            # Whole seconds of a 40-character rate string at most: the limit's own check
+            # (check_admits, below) bounds it in words about seconds, not tokens.
+            numbers["period"] = int(seconds * MICRO)
         for what, amount in (("capacity", capacity), ("max_reserved", max_reserved)):
             if amount is None:
                 continue
@@ -352,14 +372,27 @@ def numbers_from_text(
 
 
 def factor_of(text: str) -> Fraction:
-    """Return the N of "give ×N" as typed in a form; ValueError when it is not a number above 0."""
+    """Return the N of "give ×N" as typed in a form; ValueError when it is not a number above 0
+    and at most 1,000,000.
+
+    Bounded before it is built: the exact Fraction of ``"1e3000000"`` is a 10**3000000
+    integer, seconds of CPU per POST, before any range check could refuse it.
+    """
+    text = text.strip()
+    if len(text) > _MAX_NUMBER_LENGTH:
+        raise ValueError(f"×{shown(text)}: {_FACTOR_RANGE}")
     try:
-        factor = Fraction(Decimal(text.strip()))
-    except (ArithmeticError, ValueError):
-        raise ValueError(f"×{text.strip()!r}: not a number") from None
-    if not 0 < factor <= 1_000_000:
-        raise ValueError(f"×{text.strip()}: the factor must be above 0 and at most 1,000,000")
-    return factor
+        number = Decimal(text)
+    except ArithmeticError:
+        raise ValueError(f"×{text!r}: not a number; {_FACTOR_RANGE}") from None
+    # Compared as a Decimal (its exponent first, whatever its size), then made exact:
+    # to_fraction refuses what has more digits or places than a factor can use.
+    if not number.is_finite() or not 0 < number <= _MAX_FACTOR:
+        raise ValueError(f"×{text}: {_FACTOR_RANGE}")
+    try:
+        return to_fraction(number, "the factor")
+    except ValueError as exc:
+        raise ValueError(f"×{text}: {exc}; {_FACTOR_RANGE}") from None
 
 
 def multiplied(limit: LimitConfig, factor: Fraction) -> dict[str, int | None]:

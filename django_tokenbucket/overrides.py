@@ -68,6 +68,7 @@ __all__ = [
     "DEFAULT_MAX_AGE",
     "EXEMPT",
     "LIMIT",
+    "LONGEST",
     "NUMBERS",
     "Override",
     "Settings",
@@ -433,19 +434,35 @@ def database_alias() -> str:
     return router.db_for_write(_models()[0]) or "default"
 
 
+#: The furthest an override may end from now (100 years). Further is a slip of the
+#: keyboard rather than a plan (None lasts until cleared), and soon past what a datetime
+#: holds (year 9999): ``now + until`` would raise OverflowError, and a database would
+#: store an end it cannot read back.
+LONGEST = timedelta(days=36_525)
+LONGEST_TEXT = "100 years"
+
+
 def expiry(name: str, until: object) -> datetime | None:
-    """Return when an override made now with ``until`` ends; ValueError naming limit ``name``."""
+    """Return when an override made now with ``until`` ends; ValueError naming limit ``name``
+    when ``until`` is not in the future or more than ``LONGEST`` from now."""
     if until is None:
         return None
     now = _as_datetime(clock.app_now())
     if isinstance(until, timedelta):
-        ends = now + until
+        # Clamped before the addition, which would overflow past year 9999 (or before 1):
+        # the checks below refuse what was clamped.
+        ends = now + max(min(until, LONGEST + timedelta(1)), timedelta(0))
     elif isinstance(until, datetime):
         ends = until if timezone.is_aware(until) else timezone.make_aware(until)
     else:
         raise ValueError(f"rate limit {name!r}: until must be a datetime or a timedelta, not {until!r}")
     if ends <= now:
         raise ValueError(f"rate limit {name!r}: until {until!r} is not in the future (now is {now.isoformat()})")
+    if ends - now > LONGEST:
+        raise ValueError(
+            f"rate limit {name!r}: until {until!r} is more than {LONGEST_TEXT} from now (now is {now.isoformat()}); "
+            f"leave it out for an override that lasts until cleared"
+        )
     return ends
 
 

@@ -7,10 +7,21 @@ from decimal import ROUND_FLOOR, Decimal
 from .algorithms import MICRO
 from .limits import LimitConfig
 
-__all__ = ["describe_rate", "format_duration", "format_tokens"]
+__all__ = ["describe_rate", "format_duration", "format_tokens", "printable"]
 
 _UNITS = ((86_400, "d"), (3_600, "h"), (60, "min"), (1, "s"))
 _PERIOD_NAMES = {1: "second", 60: "minute", 3_600: "hour", 86_400: "day"}
+
+
+def printable(text: str) -> str:
+    """Return ``text`` as it is when every character of it is printable, else its repr.
+
+    For whatever a terminal shows that came from a request, a form or the database (a
+    label, a reason, a stored name): ESC, BEL, the 8-bit CSI (0x9B) or a right-to-left
+    override (U+202E) would be obeyed by the terminal, rewriting what the operator
+    reads, rather than shown. A repr shows each of them as an escape, unambiguously.
+    """
+    return text if text.isprintable() else repr(text)
 
 
 def format_tokens(micro: int, places: int | None = None) -> str:

@@ -298,7 +298,7 @@ def test_a_rows_page_blocks_its_key_with_the_add_permission(clock):
     response = client.post(f"{BUCKETS}override/", {**form, "next": f"{CHANGELIST}{row.pk}/change/"}, follow=True)
     assert response.redirect_chain[-1][0] == f"{CHANGELIST}{row.pk}/change/"
     content = response.content.decode()
-    assert "ogin key post:username=… (value not stored): block, always refused" in content  # the success message
+    assert "Override saved for login key post:username=… (value not stored): block, always refused" in content
     override = LimitOverride.objects.get()
     assert (override.key, override.created_by, override.reason) == (row.key, "operator", "stuffing")
     assert override.label == row.label

@@ -145,9 +145,10 @@ class BucketOverrides(BucketAdminViews):
             change_message=f"From the bucket page ({alias}): {what}.{reason}"
             + (f" Replaced {existing.action}." if existing is not None else ""),
         )
+        # Not the limit's name first: the admin capitalises a message's first letter.
         self.message_user(
             request,
-            _("%(limit)s key %(key)s: %(what)s. Every process applies it within %(seconds)s s.")
+            _("Override saved for %(limit)s key %(key)s: %(what)s. Every process applies it within %(seconds)s s.")
             % {"limit": known.name, "key": shown_key(row), "what": what, "seconds": _max_age()},
             messages.SUCCESS,
         )

@@ -213,7 +213,12 @@ class OverrideChangeForm(_NoModelValidation):
             for number in ("capacity", "max_reserved"):
                 value = getattr(row, number)
                 self.initial[number] = None if value is None else Decimal(value) / MICRO
-        self.initial["expires_at"] = None if row.expires_at is None else timezone.localtime(row.expires_at)
+        try:
+            self.initial["expires_at"] = None if row.expires_at is None else timezone.localtime(row.expires_at)
+        except OverflowError:
+            # An end past year 9999 on this zone's clock, stored before overrides.LONGEST
+            # bounded it: "expires now" shows it, and the field left empty leaves it as it is.
+            self.initial["expires_at"] = None
         #: What ``LimitOverrideAdmin.save_model`` writes.
         self.changes: dict[str, Any] = {}
 

@@ -24,6 +24,7 @@ from ..api import limiter
 from ..backends.base import BaseBackend, MinuteCounts
 from ..override_operations import DURATION_HINT, parse_duration
 from ..registry import KnownLimit, known_limits
+from ..text import printable
 
 __all__ = ["SUBCOMMANDS", "AnalyticsCommands", "add_analytics_parsers"]
 
@@ -104,9 +105,9 @@ class AnalyticsCommands:
         width = max(len(f"{key.denied:,}") for key in keys)
         for rank, key in enumerate(keys, 1):
             # A label is what a client sent (an address, a user id), stored with what is
-            # not printable escaped; repr() again for a row that did not come from here.
-            shown = (key.label if key.label.isprintable() else repr(key.label)) or "-"
-            self.stdout.write(f"{rank:>3}. {key.denied:>{width},} denied  {key.digest[:16]}  {shown}")
+            # not printable escaped; escaped again for a row that did not come from here.
+            shown = printable(key.label) or "-"
+            self.stdout.write(f"{rank:>3}. {key.denied:>{width},} denied  {printable(key.digest[:16])}  {shown}")
 
     def handle_stats(self, *, name: str | None, since: str, every: str, as_json: bool, **options: Any) -> None:
         minutes = _minutes("--since", since, analytics.MINUTES_KEPT)

@@ -10,8 +10,9 @@ SPEC=VALUE``); none means every key of the limit. ``created_by`` is
 
 from __future__ import annotations
 
-from argparse import ArgumentParser, _SubParsersAction
+from argparse import ArgumentParser, ArgumentTypeError, _SubParsersAction
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -34,7 +35,9 @@ from ..override_operations import (
     replaced,
     shown_key,
 )
+from ..rates import shown
 from ..registry import KnownLimit, known_limits
+from ..text import printable
 
 __all__ = ["SUBCOMMANDS", "OverrideCommands", "add_override_parsers"]
 
@@ -73,8 +76,8 @@ def add_override_parsers(sub: _SubParsersAction[ArgumentParser], parent: Argumen
             command.add_argument(
                 "--rate", help="A rate string, e.g. 100/m or 5000/d (its period replaces the limit's)."
             )
-            command.add_argument("--capacity", type=float, help="The burst: tokens a full bucket holds.")
-            command.add_argument("--max-reserved", type=float, help="Tokens that may be reserved ahead.")
+            command.add_argument("--capacity", type=_amount, help="The burst: tokens a full bucket holds.")
+            command.add_argument("--max-reserved", type=_amount, help="Tokens that may be reserved ahead.")
         until = command.add_mutually_exclusive_group()
         until.add_argument("--for", dest="duration", metavar="DURATION", help=f"How long ({DURATION_HINT}).")
         until.add_argument(
@@ -125,7 +128,7 @@ class OverrideCommands:
                 moment = None
             if moment is None:
                 raise CommandError(
-                    f"rate limit {name!r}: --until: {options['until']!r} is not a date and time "
+                    f"rate limit {name!r}: --until: {shown(options['until'])} is not a date and time "
                     f"(e.g. 2026-12-01T09:00 or 2026-12-01 09:00+01:00)"
                 )
             return moment if timezone.is_aware(moment) else timezone.make_aware(moment)
@@ -189,9 +192,9 @@ class OverrideCommands:
         limiter.clear_override(name, key)
         end = ends(found)
         state = "expired " if end is not None and end <= now() else ""
-        made = f", made by {found.created_by}" if found.created_by else ""
-        why = f" ({found.reason})" if found.reason else ""
-        self.stdout.write(f"Removed the {state}{found.action} override of {name} {whom}{made}{why}.")
+        made = f", made by {printable(found.created_by)}" if found.created_by else ""
+        why = f" ({_one_line(found.reason)})" if found.reason else ""
+        self.stdout.write(f"Removed the {state}{printable(found.action)} override of {name} {whom}{made}{why}.")
 
     def handle_overrides(self, *, name: str | None, expired_too: bool, **options: Any) -> None:
         if expired_too:
@@ -208,15 +211,17 @@ class OverrideCommands:
         table = [("limit", "key", "action", "numbers", "expires", "reason", "created by")]
         for row in found:
             known = limits.get(row.name)
+            # Every cell but the computed ones was written by someone with the add
+            # permission (or by hand in the table): escaped, so that none drives the terminal.
             table.append(
                 (
-                    row.name,
-                    shown_key(row),
-                    row.action,
+                    printable(row.name),
+                    printable(shown_key(row)),
+                    printable(row.action),
                     describe_numbers(row, known.config if known else None),
                     describe_expiry(row, at),
-                    " ".join(row.reason.split()),
-                    row.created_by,
+                    _one_line(row.reason),
+                    printable(row.created_by),
                 )
             )
         widths = [max(len(line[column]) for line in table) for column in range(len(table[0]) - 1)]
@@ -229,6 +234,26 @@ class OverrideCommands:
         def _key(self, options: dict[str, Any]) -> object: ...
 
         def _known(self, name: str, database: str | None, *, as_rows: bool = True) -> KnownLimit: ...
+
+
+def _amount(text: str) -> Decimal:
+    """``--capacity`` and ``--max-reserved`` as typed: exact, as the admin's fields read them
+    (a float would drop a 17th digit rather than refuse it), and refused past 40
+    characters before they are read. The limiter checks the rest."""
+    if len(text) > _MAX_AMOUNT_LENGTH:
+        raise ArgumentTypeError(f"{shown(text)} is longer than any amount of tokens")
+    try:
+        return Decimal(text.strip())
+    except ArithmeticError:
+        raise ArgumentTypeError(f"{shown(text)} is not a number") from None
+
+
+_MAX_AMOUNT_LENGTH = 40
+
+
+def _one_line(reason: str) -> str:
+    """A reason (a textarea's, so perhaps several lines) on one line, escaped for a terminal."""
+    return printable(" ".join(reason.split()))
 
 
 def _ending(expiry: str) -> str:

@@ -24,6 +24,7 @@ How it stays out of the way of live traffic:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -44,6 +45,19 @@ logger = logging.getLogger("django_tokenbucket")
 
 #: Seconds between batches on SQLite (see ``cleanup``).
 SQLITE_PAUSE = 0.1
+
+
+#: The bounds of ``unknown_idle`` (100 years: beyond, the span overflows a database
+#: integer) and of ``pause`` (an hour between batches; time.sleep fails past 2**63 ns).
+_LONGEST_IDLE = 36_525 * 86_400
+_LONGEST_PAUSE = 3_600
+
+
+def _check_seconds(what: str, value: object, most: float) -> None:
+    """Raise ValueError unless ``value`` is a number of seconds from 0 to ``most`` (NaN is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= most:
+        limit = "" if most == math.inf else f" up to {most:,}"
+        raise ValueError(f"{what} must be a number of seconds >= 0{limit}, not {value!r}")
 
 
 def stored_names(alias: str) -> dict[str, int]:
@@ -73,8 +87,13 @@ def cleanup(
         raise ValueError(f"batch_size must be between 1 and {MAX_BATCH_SIZE}, not {batch_size!r}")
     if unknown_idle is None:
         unknown_idle = UNKNOWN_IDLE
-    if isinstance(unknown_idle, bool) or not isinstance(unknown_idle, (int, float)) or not unknown_idle >= 0:
-        raise ValueError(f"unknown_idle must be a number of seconds >= 0, not {unknown_idle!r}")
+    # Checked before the first batch: a bad pause used to fail after it (time.sleep of
+    # -1, NaN or inf), a NaN deadline never came, and an infinite idle time failed to round.
+    _check_seconds("unknown_idle", unknown_idle, _LONGEST_IDLE)
+    if max_seconds is not None:
+        _check_seconds("max_seconds", max_seconds, math.inf)
+    if pause is not None:
+        _check_seconds("pause", pause, _LONGEST_PAUSE)
     unknown_span = round(unknown_idle * MICRO)
     if pause is None:
         # SQLite writers waiting for the lock poll, sleeping up to 100 ms between tries:

@@ -35,6 +35,8 @@ that database instead of asking the limit's backend.
 from __future__ import annotations
 
 import json
+import re
+import sys
 from argparse import SUPPRESS, ArgumentParser
 from typing import Any
 
@@ -49,14 +51,16 @@ from ...keys import as_typed, encode_key, key_from_json
 from ...limits import LimitConfig
 from ...live import FULL, LIMITED, PARTIAL, LiveState, live_state
 from ...override_operations import key_from_spec
+from ...rates import shown
 from ...registry import CALL_SITES, KnownLimit, interpret, known_limits, plan_bases
-from ...text import describe_rate, format_duration, format_tokens
+from ...text import describe_rate, format_duration, format_tokens, printable
 from ..analytics import SUBCOMMANDS as ANALYTICS_SUBCOMMANDS
 from ..analytics import AnalyticsCommands, add_analytics_parsers
 from ..overrides import SUBCOMMANDS, OverrideCommands, add_override_parsers
 
 _JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"
 _REQUEST_KEY_HINT = "e.g. --key post:username=alice, --key ip=203.0.113.7, --key user=42"
+_DIGITS = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
 
 
 def _from_json(value: Any) -> Any:
@@ -64,7 +68,7 @@ def _from_json(value: Any) -> Any:
     try:
         return key_from_json(value)
     except ValueError as exc:
-        raise CommandError(f"{exc} ({_JSON_HINT})") from None
+        raise CommandError(f"--json: {exc} ({_JSON_HINT})") from None
 
 
 class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
@@ -199,14 +203,25 @@ class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
             raise CommandError("--int, --json and --digest need a KEY")
         if options["int_key"]:
             try:
-                return int(raw)
+                return int(raw)  # Python refuses more than sys.get_int_max_str_digits() digits, unread
             except ValueError:
-                raise CommandError(f"--int: {raw!r} is not an integer") from None
+                most = sys.get_int_max_str_digits()
+                # Say so, rather than call a number of 5,000 digits "not an integer".
+                problem = f"has more than {most:,} digits" if _DIGITS.fullmatch(raw) else "is not an integer"
+                raise CommandError(f"--int: {shown(raw)} {problem}") from None
         if options["json_key"]:
             try:
-                return _from_json(json.loads(raw))
+                value = json.loads(raw)
             except json.JSONDecodeError as exc:
-                raise CommandError(f"--json: {raw!r} is not JSON ({exc}); {_JSON_HINT}") from None
+                raise CommandError(f"--json: {shown(raw)} is not JSON ({exc}); {_JSON_HINT}") from None
+            except (ValueError, RecursionError):
+                # A number of more digits than int() converts, or arrays nested past the
+                # parser's recursion: JSON, but no key anyone passes.
+                raise CommandError(
+                    f"--json: {shown(raw)} is not JSON a key can be (a number of too many digits, or "
+                    f"arrays nested too deep); {_JSON_HINT}"
+                ) from None
+            return _from_json(value)
         return raw
 
     @staticmethod
@@ -262,20 +277,23 @@ class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
         if not names:
             self.stdout.write("No rate limits are configured, and none are stored.")
             return
-        width = max(len(name) for name in names)
+        # A stored name is whatever a row holds, not only what LIMITS validated.
+        shown = {name: printable(name) for name in names}
+        width = max(len(text) for text in shown.values())
         for name in names:
             if name in bases:
-                self.stdout.write(f"{name:<{width}}  a bucket per plan: the rate callable of {bases[name]}")
+                self.stdout.write(f"{shown[name]:<{width}}  a bucket per plan: the rate callable of {bases[name]}")
                 continue
             known = interpret(name, limits)
             count = counts.get(name, 0)
             stored = "" if no_counts else f"  {count} stored key(s)" if isinstance(count, int) else f"  {count}"
             if known is None:
                 # Live rows, perhaps: another process decides them with its own config=.
-                self.stdout.write(f"{name:<{width}}  {CALL_SITES}; not readable here{stored}")
+                self.stdout.write(f"{shown[name]:<{width}}  {CALL_SITES}; not readable here{stored}")
             else:
                 where = "" if database is not None else f" on {known.config.backend!r}"
-                self.stdout.write(f"{name:<{width}}  {describe_rate(known.config)} [{known.source}]{stored}{where}")
+                line = f"{describe_rate(known.config)} [{known.source}]{stored}{where}"
+                self.stdout.write(f"{shown[name]:<{width}}  {line}")
 
     # -- show ------------------------------------------------------------------------
 
@@ -301,7 +319,7 @@ class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
         if options["digest"]:
             bucket, now = self._bucket_by_digest(limit, options["key"], database)
             live = live_state(limit, bucket.state, bucket.digest, now)
-            self.stdout.write(f"key {bucket.label or '(no label)'} (digest {bucket.digest})")
+            self.stdout.write(f"key {printable(bucket.label) or '(no label)'} (digest {printable(bucket.digest)})")
             self._print_live(live, stored=True)
             return
         key = self._key({**options, "name": name})
@@ -330,7 +348,7 @@ class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
         if options["digest"]:
             bucket, _now = self._bucket_by_digest(limit, options["key"], database)
             operations.reset_buckets(operations.store_of(limit, database), limit.name, [bucket.digest])
-            self.stdout.write(f"Reset {name} key {bucket.label or bucket.digest}: it starts full again.")
+            self.stdout.write(f"Reset {name} key {printable(bucket.label or bucket.digest)}: it starts full again.")
             return
         key = self._key({**options, "name": name})
         encoded = encode_key(key)
@@ -428,7 +446,7 @@ class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
         )
         for name, deleted in sorted(report.deleted.items()):
             if deleted:
-                self.stdout.write(f"  {name}: {deleted}")
+                self.stdout.write(f"  {printable(name)}: {deleted}")
         if report.analytics_trimmed:
             self.stdout.write(f"Trimmed {report.analytics_trimmed} denial-analytics row(s) past their retention.")
         if report.overrides_removed:
