@@ -35,6 +35,7 @@ from .limits import LimitConfig, to_micro
 from .models import LimitOverride
 from .rates import UNIT_SECONDS, parse_rate, shown, to_fraction
 from .request_keys import canonical_spec, key_from_text
+from .settings import tokenbucket_settings
 from .text import describe_rate, format_duration, format_tokens
 
 __all__ = [
@@ -136,39 +137,43 @@ KEY_FORMS = {
 }
 
 
-def operator_key(name: str, text: str, form: str = "auto") -> object:
-    """Return the key an operator wrote for limit ``name`` in ``form`` (``KEY_FORMS``);
-    None for an empty text (every key of the limit).
+def operator_key(name: str, text: str, form: str = "auto") -> tuple[object, str | None]:
+    """Return the key an operator wrote for limit ``name`` in ``form`` (``KEY_FORMS``),
+    None for an empty text (every key of the limit), and a warning for the operator.
 
-    ``auto`` takes SPEC=VALUE (``key_from_spec``) when the text starts with a spec the
+    ``auto`` takes SPEC=VALUE (``override_spec_key``) when the text starts with a spec the
     decorator knows, and the text itself otherwise: the Quick start's
     ``key=request.user.pk`` is reached by typing ``1``. ValueError naming the limit for
-    what no key is, and for a spec that no view of the limit keys by (with the ones they do).
+    what no key is.
     """
     if not text.strip():
-        return None
+        return None, None
     if form == "json":
         try:
-            return key_from_json(json.loads(text))
-        except ValueError as exc:  # JSONDecodeError is one
-            raise ValueError(f"rate limit {name!r}: key {text!r} is not a key as JSON: {exc}") from None
+            return key_from_json(json.loads(text)), None
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+            raise ValueError(f"rate limit {name!r}: key {shown(text)} is not a key as JSON: {exc}") from None
     if form == "text":
-        return text
+        return text, None
     if form != "auto":
-        raise ValueError(f"rate limit {name!r}: {form!r} is not a way to write a key ({', '.join(KEY_FORMS)})")
+        raise ValueError(f"rate limit {name!r}: {shown(form)} is not a way to write a key ({', '.join(KEY_FORMS)})")
     spec, separator, _value = text.partition("=")
     if not separator or not _is_spec(spec.strip()):
-        return text
+        return text, None
     return override_spec_key(name, text)
 
 
-def override_spec_key(name: str, text: str) -> object:
-    """``key_from_spec`` for an override: ValueError too when the views of limit ``name``
-    are known and none keys by the spec typed (the override would reach no request)."""
+def override_spec_key(name: str, text: str) -> tuple[object, str | None]:
+    """``key_from_spec`` for an override, and what to tell the operator when the views of
+    limit ``name`` are known and none keys by the spec typed: a limit that only views use
+    (an inline one) is refused with a ValueError (the override would reach no request's
+    bucket); one of ``LIMITS``, which code may also decide with keys of its own, is
+    warned about."""
     key = key_from_spec(name, text)
-    if key is not None:
-        _check_spec_used(name, canonical_spec(text.partition("=")[0].strip()))
-    return key
+    problem = _unused_spec(name, canonical_spec(text.partition("=")[0].strip()))
+    if problem is not None and name not in tokenbucket_settings.limits():
+        raise ValueError(problem)
+    return key, problem
 
 
 def _is_spec(spec: str) -> bool:
@@ -176,20 +181,21 @@ def _is_spec(spec: str) -> bool:
     return spec in ("ip", "user", "username") or (bool(colon) and bool(field) and kind in ("header", "get", "post"))
 
 
-def _check_spec_used(name: str, spec: str) -> None:
-    """ValueError when the views of limit ``name`` are known and none keys by ``spec``: the
-    override would reach a bucket no request uses (``user=1`` on a limit keyed by address)."""
+def _unused_spec(name: str, spec: str) -> str | None:
+    """Say so when the views of limit ``name`` are known and none keys by ``spec``: an
+    override of it reaches a bucket no view's request uses (``user=1`` on a limit keyed by
+    address). None when one does, or when no view is known or one keys by a callable."""
     uses = registry.uses(name)
     if not uses or any(use.key is None or "." in use.key for use in uses):
-        return  # no view known, or one whose key is a callable: any key may be right
+        return None
     keyed_by = {canonical_spec(use.key) for use in uses if use.key is not None}
     reachable = set(keyed_by) | ({"ip", "user"} if "user_or_ip" in keyed_by else set())
     if spec in reachable:
-        return
+        return None
     views = ", ".join(sorted(f"{use.view} (key={use.key!r})" for use in uses))
-    raise ValueError(
-        f"rate limit {name!r}: no view keys it by {spec!r}, so an override of {spec}=… would reach a bucket "
-        f"no request uses; its views: {views}"
+    return (
+        f"rate limit {name!r}: no view keys it by {spec!r}, so an override of {spec}=… reaches a bucket "
+        f"no view's request uses; its views: {views}"
     )
 
 

@@ -181,7 +181,8 @@ def test_a_block_keeps_its_action_and_changes_its_reason(clock):
 @pytest.mark.parametrize(
     ("fields", "words"),
     [
-        ({"key_text": "nonsense"}, "rate limit &#x27;login&#x27;: key &#x27;nonsense&#x27; is not SPEC=VALUE"),
+        ({"key_text": "ip=nonsense"}, "rate limit &#x27;login&#x27;: key &#x27;ip=nonsense&#x27;: &#x27;nonsense&#x27; is not an IP address"),
+        ({"key_text": "[1,", "key_form": "json"}, "key &#x27;[1,&#x27; is not a key as JSON"),
         ({"action": "limit", "rate": "10/fortnight"}, "rate limit &#x27;login&#x27;: override: invalid rate"),
         ({"action": "limit"}, "give at least one of rate"),
         ({"action": "block", "rate": "10/m"}, "apply to the action “limit” only"),
@@ -201,15 +202,15 @@ def test_add_shows_the_limiters_errors_on_the_form(clock, fields, words):
 def test_replacing_an_override_from_the_add_form_needs_the_change_permission(clock):
     limiter.block("login", "eve", reason="first", created_by="sec")
     adder = client_for(make_user("adder", "add_limitoverride"))
-    response = adder.post(f"{ADMIN}add/", add_form(key_text="username=x"))
+    response = adder.post(f"{ADMIN}add/", add_form(key_text="post:username=x"))
     assert response.status_code == 302
-    limiter.block("login", ("username", "y"))
-    response = adder.post(f"{ADMIN}add/", add_form(key_text="username=y", action="exempt"))
+    limiter.block("login", ("post:username", "y"))
+    response = adder.post(f"{ADMIN}add/", add_form(key_text="post:username=y", action="exempt"))
     assert "replacing it needs the permission to change limit overrides" in errors(response)
     changer = client_for(make_user("changer", "add_limitoverride", "change_limitoverride"))
-    response = changer.post(f"{ADMIN}add/", add_form(key_text="username=y", action="exempt"), follow=True)
+    response = changer.post(f"{ADMIN}add/", add_form(key_text="post:username=y", action="exempt"), follow=True)
     assert "It replaced" in response.content.decode()
-    assert limiter.limit("login", ("username", "y")).override == "exempt"
+    assert limiter.limit("login", ("post:username", "y")).override == "exempt"
 
 
 def test_change_writes_again_and_bumps_the_version(clock):
@@ -416,9 +417,63 @@ def test_with_overrides_off_the_admin_says_so(clock, settings):
     limiter.limit("login", "alice")
     row = RateLimit.objects.get()
     client = client_for(make_user("root", superuser=True))
-    assert "overrides are off" in errors(client.post(f"{ADMIN}add/", add_form(key_text="username=eve")))
+    assert "overrides are off" in errors(client.post(f"{ADMIN}add/", add_form(key_text="post:username=eve")))
     response = client.post(
         f"{BUCKETS}override/", {"name": "login", "digest": row.key, "action": "block"}, follow=True
     )
     assert "Nothing was changed" in response.content.decode() and "overrides are off" in response.content.decode()
     assert not LimitOverride.objects.exists()
+
+
+# -- issue 49: the add form reaches the keys the docs use, and says which bucket ------------
+
+
+def messages_of(response) -> list[str]:
+    return [str(message) for message in response.context["messages"]] if response.context else []
+
+
+@pytest.mark.parametrize(
+    ("typed", "form", "key"),
+    [
+        ("1", "auto", 1),  # the Quick start's key=request.user.pk; 1 and "1" are one bucket
+        ("tenant-7", "auto", "tenant-7"),
+        ("ip=203.0.113.9", "text", "ip=203.0.113.9"),  # a key that only looks like a spec
+        ('["tenant", 7]', "json", ("tenant", 7)),
+    ],
+)
+def test_the_add_form_names_every_key_the_api_takes(clock, typed, form, key):
+    client = client_for(make_user("root", superuser=True))
+    response = client.post(f"{ADMIN}add/", add_form(name="ten_per_minute", key_text=typed, key_form=form), follow=True)
+    assert response.status_code == 200, errors(response)
+    assert limiter.limit("ten_per_minute", key).override == "block"
+    assert limiter.limit("ten_per_minute", "someone else").override is None
+    reached = [m for m in messages_of(response) if m.startswith("It reaches the bucket")]
+    # Nothing had been decided on that key: the operator is told, so a wrong key shows.
+    assert len(reached) == 1 and "not stored: no request has used it" in reached[0]
+
+
+def test_the_add_form_says_when_the_bucket_is_in_use(clock):
+    limiter.limit("ten_per_minute", 42)
+    client = client_for(make_user("root", superuser=True))
+    response = client.post(f"{ADMIN}add/", add_form(name="ten_per_minute", key_text="42"), follow=True)
+    assert any("stored: requests have used it" in m for m in messages_of(response))
+
+
+def test_a_spec_no_view_of_an_inline_limit_keys_by_is_refused_with_the_ones_they_do(clock, client):
+    from .views import inline_ip  # noqa: F401  (its decorator declares the limit)
+
+    client.get("/inline-ip/")
+    superuser = client_for(make_user("root", superuser=True))
+    response = superuser.post(f"{ADMIN}add/", add_form(name="tests.views.inline_ip", key_text="user=1"))
+    assert response.status_code == 200
+    assert "no view keys it by &#x27;user&#x27;" in errors(response) and "key=&#x27;ip&#x27;" in errors(response)
+    assert not LimitOverride.objects.exists()
+
+
+def test_a_spec_no_view_of_a_named_limit_keys_by_is_saved_with_a_warning(clock):
+    """``login`` is in LIMITS: code may decide it with keys of its own, so ``username=`` is
+    saved, but the operator learns that its views key by ``post:username``."""
+    client = client_for(make_user("root", superuser=True))
+    response = client.post(f"{ADMIN}add/", add_form(key_text="username=eve"), follow=True)
+    assert LimitOverride.objects.count() == 1
+    assert any("no view keys it by 'username'" in m and "post:username" in m for m in messages_of(response))

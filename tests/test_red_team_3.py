@@ -178,3 +178,22 @@ def test_5_a_count_the_limit_itself_refuses_is_still_a_programming_error(backend
     limiter.override("heavy", None, capacity=2)
     with pytest.raises(ValueError, match="exceeds the capacity"):
         limiter.limit("heavy", ("ip", "198.51.100.7"), count=50)
+
+
+def test_5_the_command_and_the_admin_warn_of_an_override_below_a_views_count(backend, admin_client):
+    assert ok(heavy(rf.get("/", REMOTE_ADDR="198.51.100.8")))
+    out, err = io.StringIO(), io.StringIO()
+    call_command(
+        "tokenbucket", "override", "heavy", "--key", "ip=198.51.100.8", "--capacity", "2", stdout=out, stderr=err
+    )
+    assert "tests.test_red_team_3.heavy counts 5 per request, more than this override's capacity 2" in err.getvalue()
+    # And which bucket it reached: the one the request above used.
+    assert "It reaches the bucket ip=198.51.100.8" in out.getvalue() and "stored: requests have used it" in out.getvalue()
+    response = admin_client.post(
+        "/admin/django_tokenbucket/limitoverride/add/",
+        {"name": "heavy", "key_text": "", "key_form": "auto", "action": "limit", "capacity": "1", "rate": "",
+         "max_reserved": "", "duration": "", "expires_at_0": "", "expires_at_1": "", "reason": ""},
+        follow=True,
+    )
+    shown = [str(m) for m in response.context["messages"]]
+    assert any("heavy counts 5 per request, more than this override's capacity 1" in m for m in shown), shown

@@ -37,15 +37,18 @@ from ..limits import LimitConfig
 from ..models import LimitOverride
 from ..override_operations import (
     DURATION_HINT,
+    KEY_FORMS,
     KEY_HINT,
     describe_expiry,
     describe_numbers,
     expire,
-    key_from_spec,
     now,
     numbers_from_text,
+    operator_key,
     parse_duration,
     rate_text,
+    reached,
+    refused_views,
     replaced,
     resave,
     shown_key,
@@ -101,8 +104,15 @@ class OverrideAddForm(_NoModelValidation):
         label=_("key"),
         required=False,
         help_text=format_lazy(
-            _("As “manage.py tokenbucket --key” takes it ({}); empty: every key of the limit."), KEY_HINT
+            _(
+                "As a view's key= builds it ({}), or a key your code passes to the limiter (42, alice); "
+                "empty: every key of the limit."
+            ),
+            KEY_HINT,
         ),
+    )
+    key_form = forms.ChoiceField(
+        label=_("written as"), choices=list(KEY_FORMS.items()), initial="auto", required=False
     )
     action = forms.ChoiceField(label=_("action"), choices=LimitOverride.Action.choices)
     rate = forms.CharField(
@@ -122,6 +132,8 @@ class OverrideAddForm(_NoModelValidation):
     #: replace an override of the same key (the change permission).
     created_by = ""
     may_replace = False
+    #: Set by ``clean``: what the operator is told of the key typed (``operator_key``).
+    key_warning: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -137,7 +149,7 @@ class OverrideAddForm(_NoModelValidation):
             return data
         name, action = data["name"], data["action"]
         try:
-            key = key_from_spec(name, data["key_text"])
+            key, self.key_warning = operator_key(name, data["key_text"], data.get("key_form") or "auto")
         except ValueError as exc:
             self.add_error("key_text", str(exc))
             return data
@@ -148,6 +160,8 @@ class OverrideAddForm(_NoModelValidation):
             self.add_error("action", _("Rate, capacity and max reserved apply to the action “limit” only."))
         if self.errors:
             return data
+        #: The key the override was made for, for the admin's message of which bucket it reaches.
+        self.key = key
         try:
             existing = replaced(name, overrides.key_digest(name, key)[0])
             if existing is not None and not self.may_replace:
@@ -366,7 +380,7 @@ class LimitOverrideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def get_fieldsets(self, request: HttpRequest, obj: LimitOverride | None = None) -> Any:
         if obj is None:
             return (
-                (None, {"fields": ("name", "key_text", "action")}),
+                (None, {"fields": ("name", "key_text", "key_form", "action")}),
                 (_("Numbers (action “limit”)"), {"fields": ("rate", "capacity", "max_reserved")}),
                 (_("Until"), {"fields": ("duration", "expires_at")}),
                 (None, {"fields": ("reason",)}),
@@ -414,6 +428,13 @@ class LimitOverrideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def save_model(self, request: HttpRequest, obj: LimitOverride, form: Any, change: bool) -> None:
         if not change:
+            limit = _limit_of(form.instance)
+            if limit is not None and not form.instance.every_key:
+                self.message_user(request, _("It reaches %(bucket)s.") % {"bucket": reached(limit, form.key)})
+            if form.key_warning:
+                self.message_user(request, form.key_warning, messages.WARNING)
+            for warning in refused_views(form.instance, limit):
+                self.message_user(request, warning, messages.WARNING)
             if form.replaced is not None:
                 self.message_user(
                     request,

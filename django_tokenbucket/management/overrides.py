@@ -31,7 +31,10 @@ from ..override_operations import (
     describe_numbers,
     ends,
     now,
+    override_spec_key,
     parse_duration,
+    reached,
+    refused_views,
     replaced,
     shown_key,
 )
@@ -106,12 +109,23 @@ class OverrideCommands:
     """
 
     stdout: OutputWrapper
+    stderr: OutputWrapper
 
-    def _override_key(self, options: dict[str, Any]) -> object:
+    def _override_key(self, options: dict[str, Any], *, making: bool = False) -> object:
+        """The key the options name (None: every key); ``making`` an override, a --key spec
+        that no view of the limit keys by is refused (it would reach no request's bucket)."""
         if options["key"] is None and options.get("request_key") is None:
             if options["int_key"] or options["json_key"]:
                 raise CommandError(f"{options['name']!r}: --int and --json need a KEY")
             return None
+        if making and options.get("request_key") is not None and options["key"] is None:
+            try:
+                key, warning = override_spec_key(options["name"], options["request_key"])
+            except ValueError as exc:
+                raise CommandError(f"--key: {exc}") from None
+            if warning is not None:
+                self.stderr.write(f"Warning: {warning}.")
+            return key
         return self._key({**options, "digest": False})
 
     @staticmethod
@@ -136,7 +150,7 @@ class OverrideCommands:
 
     def _make(self, action: str, name: str, options: dict[str, Any]) -> None:
         known: KnownLimit = self._known(name, None, as_rows=False)
-        key = self._override_key(options)
+        key = self._override_key(options, making=True)
         common = {
             "until": self._until(name, options),
             "reason": options["reason"],
@@ -163,6 +177,10 @@ class OverrideCommands:
             f"{_PAST[action]} {name} {whom}: {describe_numbers(row, known.config)}, "
             f"{_ending(describe_expiry(row))}."
         )
+        if key is not None:
+            self.stdout.write(f"It reaches {printable(reached(known.config, key))}.")
+        for warning in refused_views(row, known.config):
+            self.stderr.write(f"Warning: {warning}.")
         self.stdout.write(
             f"Every process applies it within {_max_age()} s; 'tokenbucket unblock {name}' with the same key ends it."
         )
