@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -59,6 +59,7 @@ __all__ = [
     "clear",
     "forget",
     "forget_limit",
+    "forget_overridden",
     "forget_plans",
     "lookup",
     "now",
@@ -329,6 +330,27 @@ def forget_plans(base: str, digest: str | None = None) -> None:
     with _lock:
         _epoch += 1
         for row in [row for row in _entries if row[0].startswith(prefix) and digest in (None, row[1])]:
+            del _entries[row]
+
+
+def forget_overridden(keys: Collection[tuple[str, str]], limits: Collection[str]) -> None:
+    """Forget in one walk what ``forget`` and ``forget_plans`` of each ``(name, digest)`` of
+    ``keys``, and ``forget_limit`` and ``forget_plans`` of each name of ``limits``, would:
+    the denials that a refresh of the overrides which changed them may contradict,
+    however many (one walk rather than one per key)."""
+    global _epoch
+    with _lock:
+        _epoch += 1
+        doomed = []
+        for row in _entries:
+            name = row[0]
+            if name in limits or row in keys:
+                doomed.append(row)
+                continue
+            cut = name.find("[plan ") if name.endswith("]") else -1
+            if cut > 0 and (name[:cut] in limits or (name[:cut], row[1]) in keys):
+                doomed.append(row)
+        for row in doomed:
             del _entries[row]
 
 

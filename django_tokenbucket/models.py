@@ -14,7 +14,15 @@ from .algorithms import MICRO
 from .keys import LABEL_LENGTH, label_as_typed
 from .limits import MAX_NAME_LENGTH
 
-__all__ = ["AnalyticsMinute", "DeniedKeyMinute", "LimitOverride", "OverridesVersion", "RateLimit", "Reservation"]
+__all__ = [
+    "AnalyticsMinute",
+    "DeniedKeyMinute",
+    "LimitOverride",
+    "OverrideTombstone",
+    "OverridesVersion",
+    "RateLimit",
+    "Reservation",
+]
 
 
 class RateLimit(models.Model):
@@ -146,8 +154,9 @@ class LimitOverride(models.Model):
     microseconds, as ``LimitConfig`` holds them), ``exempt`` lets every call through
     and counts nothing, ``block`` refuses every call until ``expires_at`` (never, when
     null). Written through ``limiter.override``/``exempt``/``block`` (and the admin and
-    the command), which bump ``OverridesVersion`` in the same transaction; read by
-    ``django_tokenbucket.overrides``.
+    the command), which bump ``OverridesVersion`` in the same transaction and give the
+    row its new ``revision``; read by ``django_tokenbucket.overrides``, which after a
+    change reads only the rows of a revision above the one it holds.
     """
 
     class Action(models.TextChoices):
@@ -169,12 +178,20 @@ class LimitOverride(models.Model):
     created_by = models.CharField(_("created by"), max_length=150, blank=True, default="")
     created_at = models.DateTimeField(_("created"), default=timezone.now)
     updated_at = models.DateTimeField(_("updated"), auto_now=True)
+    #: ``OverridesVersion.revision`` when this row was last written. A default in the
+    #: database too: a process still on a version without it can write rows during a
+    #: rolling deploy (its change is seen by a full read, see ``OverridesVersion``).
+    revision = models.BigIntegerField(_("revision"), default=0, db_default=0, editable=False)
 
     class Meta:
         verbose_name = _("limit override")
         verbose_name_plural = _("limit overrides")
         constraints = [
             models.UniqueConstraint(fields=["name", "key"], name="django_tokenbucket_override_name_key"),
+        ]
+        indexes = [
+            # What every process reads after a change: the rows changed since its snapshot.
+            models.Index(fields=["revision"], name="django_tokenbucket_lo_rev"),
         ]
 
     def __str__(self) -> str:
@@ -188,23 +205,61 @@ class LimitOverride(models.Model):
 
 
 class OverridesVersion(models.Model):
-    """One row whose ``stamp`` changes with every change of LimitOverride.
+    """One row that says which changes of LimitOverride each process has yet to read.
 
-    Each process reads it at most once per ``OVERRIDES["MAX_AGE"]`` and reads the
-    overrides themselves only when it changed. A random stamp rather than a counter:
-    a table emptied and written again (a test database flushed) cannot come back to a
-    stamp a process already holds for other rows.
+    Every change increments ``revision`` in the writer's transaction (whose row lock
+    serializes writers, so revisions commit in order) and gives its row (or, for a
+    deletion, its ``OverrideTombstone``) that revision. Each process reads this row at
+    most once per ``OVERRIDES["MAX_AGE"]`` and, when ``revision`` moved on, only the rows
+    and tombstones of a revision above the one it holds. ``epoch`` is random, new
+    whenever the row is made (a flushed table starts another count, which must never
+    be taken for the continuation of one a process holds); ``floor`` is the revision
+    below which cleanup deleted rows or tombstones, which a process that held less must
+    read whole. ``stamp`` changes with every change as well: ``-revision``, which tells
+    a writer that the previous change came from a version of this app that wrote a
+    random stamp and no revision (during a rolling deploy, or before this migration),
+    so that it starts a new epoch and every process reads the whole table again.
     """
 
     id = models.PositiveSmallIntegerField(primary_key=True, default=1)
     stamp = models.BigIntegerField(_("stamp"))
+    epoch = models.BigIntegerField(_("epoch"), default=0, db_default=0)
+    revision = models.BigIntegerField(_("revision"), default=0, db_default=0)
+    floor = models.BigIntegerField(_("floor"), default=0, db_default=0)
 
     class Meta:
         verbose_name = _("overrides version")
         verbose_name_plural = _("overrides versions")
 
     def __str__(self) -> str:
-        return f"overrides version {self.stamp}"
+        return f"overrides revision {self.revision} (epoch {self.epoch})"
+
+
+class OverrideTombstone(models.Model):
+    """A LimitOverride deleted (``clear_override``, the admin, ``tokenbucket unblock``), at a revision.
+
+    What lets every other process forget it by reading what changed since its snapshot
+    rather than every override. One row per limit and key (the latest deletion); cleanup
+    deletes them a day after (``overrides.TOMBSTONES_KEPT``), raising
+    ``OverridesVersion.floor`` past their revisions.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.CharField(_("limit name"), max_length=MAX_NAME_LENGTH)
+    key = models.CharField(_("key digest"), max_length=64, blank=True, default="")
+    revision = models.BigIntegerField(_("revision"))
+    deleted_at = models.DateTimeField(_("deleted"), default=timezone.now)
+
+    class Meta:
+        verbose_name = _("override tombstone")
+        verbose_name_plural = _("override tombstones")
+        constraints = [
+            models.UniqueConstraint(fields=["name", "key"], name="django_tokenbucket_tombstone_name_key"),
+        ]
+        indexes = [models.Index(fields=["revision"], name="django_tokenbucket_ot_rev")]
+
+    def __str__(self) -> str:
+        return f"{self.name} [{self.key[:12] or 'every key'}] deleted at revision {self.revision}"
 
 
 class AnalyticsMinute(models.Model):

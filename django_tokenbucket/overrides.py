@@ -7,11 +7,16 @@ no override at all, and the decision path is one store round trip. So each proce
 holds a snapshot, a dict from ``(name, key digest)`` (and from ``name``, for overrides of
 every key) to the override in force, and a decision looks it up without I/O. The
 snapshot is refreshed once ``OVERRIDES["MAX_AGE"]`` seconds passed on the monotonic
-clock, by one query of a one-row version stamp (``OverridesVersion``), and the rows are
-read again only when the stamp changed: every write bumps it in its own transaction. A
-change made by this process applies to its next decision; one made by another process
-within ``MAX_AGE``. An override past its ``expires_at`` stops applying at once, without
-waiting for a refresh.
+clock, by one query of a one-row version stamp (``OverridesVersion``), and rows are read
+only when its revision moved on: every write increments it in its own transaction and
+gives its row (a deletion, its ``OverrideTombstone``) that revision, so a process reads
+the rows changed since its snapshot, not the table, and forgets the remembered denials
+of those keys alone. The whole table is read at a process' first decision, and when the
+snapshot cannot be brought up to date (the table was flushed: another epoch; the count
+went back; cleanup deleted rows it had not read): its cost per override is in
+docs/settings.md#overrides. A change made by this process applies to its next decision;
+one made by another process within ``MAX_AGE``. An override past its ``expires_at``
+stops applying at once, without waiting for a refresh, and leaves memory at the next.
 
 The rows live in the application's database (the alias the routers give the model for
 writes) whatever store decides the limits, a Redis-only project included: the admin
@@ -28,6 +33,8 @@ re-read in a forked child, and forgotten when ``TOKENBUCKET`` changes.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import os
 import secrets
@@ -46,7 +53,7 @@ from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.db import IntegrityError, connections, router, transaction
-from django.db.models import Q
+from django.db.models import Case, F, Max, Q, Value, When
 from django.dispatch import receiver
 from django.utils import timezone
 
@@ -60,7 +67,7 @@ from .request_keys import canonical_spec, ip_key_from_text, normalize_identity
 from .settings import feature_options, tokenbucket_settings
 
 if TYPE_CHECKING:
-    from .models import LimitOverride, OverridesVersion
+    from .models import LimitOverride, OverridesVersion, OverrideTombstone
 
 __all__ = [
     "ACTIONS",
@@ -204,18 +211,75 @@ def derive(
     return parse_limit(base.name, spec)
 
 
-@dataclass(frozen=True)
 class _Snapshot:
-    #: The version stamp the rows were read at; None before the first read.
-    stamp: int | None
-    keyed: dict[tuple[str, str], Override]
-    every_key: dict[str, Override]
-    #: The limits with any override: the one test a decision on any other makes.
-    names: frozenset[str]
+    """This process' overrides: changed in place by one refresh at a time (under ``_lock``),
+    read without a lock by decisions, which see each key's override before or after a
+    refresh, never half of one."""
+
+    __slots__ = ("every_key", "expiring", "keyed", "names", "read_at", "revision")
+
+    def __init__(self) -> None:
+        #: ``(epoch, revision, stamp)`` of the version row at the last read; None before it.
+        self.read_at: tuple[int, int, int] | None = None
+        #: Every change up to this revision is here (and none of a later revision is missing
+        #: but those read since): what the next read asks for the changes above.
+        self.revision = 0
+        self.keyed: dict[tuple[str, str], Override] = {}
+        self.every_key: dict[str, Override] = {}
+        #: The limits with any override, and how many: the one test a decision on any
+        #: other makes.
+        self.names: dict[str, int] = {}
+        #: A heap of ``(expires, name, digest)``: the overrides to drop once they end, so
+        #: that memory holds those in force, not every block of the past month.
+        self.expiring: list[tuple[int, str, str]] = []
+
+    def size(self) -> int:
+        return len(self.keyed) + len(self.every_key)
+
+    def get(self, row: tuple[str, str]) -> Override | None:
+        return self.every_key.get(row[0]) if not row[1] else self.keyed.get(row)
+
+    def put(self, row: tuple[str, str], found: Override | None) -> None:
+        """Make ``found`` the override of ``row`` (None: it has none)."""
+        name, digest = row
+        table: dict[Any, Override] = self.keyed if digest else self.every_key
+        place: Any = row if digest else name
+        if found is None:
+            if table.pop(place, None) is not None:
+                left = self.names[name] - 1
+                if left:
+                    self.names[name] = left
+                else:
+                    del self.names[name]
+            return
+        if place not in table:
+            self.names[name] = self.names.get(name, 0) + 1
+        table[place] = found
+        if found.expires is not None:
+            heapq.heappush(self.expiring, (found.expires, name, digest))
+
+    def drop_ended(self, now: int) -> set[tuple[str, str]]:
+        """Forget the overrides that ended before ``now`` (µs); return their rows."""
+        ended = set()
+        expiring = self.expiring
+        while expiring and expiring[0][0] <= now:
+            expires, name, digest = heapq.heappop(expiring)
+            held = self.get((name, digest))
+            if held is not None and held.expires == expires:  # not replaced since
+                self.put((name, digest), None)
+                ended.add((name, digest))
+        # A key replaced again and again leaves its past expiries behind: rebuilt when
+        # they outnumber the overrides held, which keeps the heap within twice them.
+        if len(expiring) > 2 * self.size() + 1024:
+            self.expiring = [(o.expires, o.name, o.digest) for o in self.overrides() if o.expires is not None]
+            heapq.heapify(self.expiring)
+        return ended
+
+    def overrides(self) -> Iterable[Override]:
+        return itertools.chain(self.keyed.values(), self.every_key.values())
 
 
-_EMPTY = _Snapshot(None, {}, {}, frozenset())
-_snapshot = _EMPTY
+_snapshot = _Snapshot()
 #: The monotonic time (s) after which the next decision reads the stamp again.
 _due = 0.0
 #: Bumped by every invalidation, so that a refresh that began before one does not
@@ -223,12 +287,36 @@ _due = 0.0
 _generation = 0
 _lock = threading.Lock()
 _settings: Settings | bool | None = True  # True: not read yet
-#: Changes this process made inside transactions not over yet: (the writer's connection,
-#: the ``on_commit`` callback that reads the overrides again). A rollback runs nothing,
+
+
+@dataclass(eq=False)
+class _Change:
+    """A change this process made inside a transaction not over yet."""
+
+    #: The writer's connection, whose ``run_on_commit`` holds ``callback`` until it ends.
+    writer: Any
+    #: The revision it was given, which no read may count as held before it commits: a
+    #: rollback frees that revision for the next writer's change.
+    revision: int
+    #: ``(name, digest)`` of the override it wrote or deleted.
+    row: tuple[str, str]
+    callback: Callable[[], None] = field(default=lambda: None)
+
+
+#: Changes this process made inside transactions not over yet. A rollback runs nothing,
 #: but removes the callback from the connection's pending ones: the next decision, on
-#: any thread, sees it gone and reads again, rather than apply a change that never was
-#: for up to MAX_AGE (a TestCase's override leaking into the next test).
-_pending: list[tuple[Any, Callable[[], None]]] = []
+#: any thread, sees it gone and reads the key again, rather than apply a change that
+#: never was for up to MAX_AGE (a TestCase's override leaking into the next test).
+_pending: list[_Change] = []
+#: The keys of changes rolled back, which the next read takes again from the database:
+#: what this process read of them inside the transaction is gone.
+_undone: set[tuple[str, str]] = set()
+#: Keys at most taken again one by one; more are read with the whole table.
+_MOST_UNDONE = 1_000
+#: Whether the last read found the count behind the snapshot, inside a transaction.
+_behind = False
+#: How many overrides in force past which a full read logs a warning (docs/settings.md#overrides).
+WARN_IN_FORCE = 100_000
 
 
 def active() -> Settings | None:
@@ -290,7 +378,7 @@ def current(name: str, digest: str) -> Override | None:
 
 
 def refresh_if_due() -> None:
-    """Read the version stamp (and the overrides, if it changed) when MAX_AGE has passed."""
+    """Read the version stamp (and the overrides changed, if it moved) when MAX_AGE has passed."""
     if _pending:
         _settle()
     if time.monotonic() >= _due:
@@ -306,28 +394,32 @@ async def arefresh_if_due() -> None:
 
 
 def _settle() -> None:
-    """Read again if a change made here inside a transaction was rolled back."""
+    """Read again the keys of changes made here inside a transaction that was rolled back."""
     gone = []
-    for entry in list(_pending):
-        writer, callback = entry
+    for change in list(_pending):
         # Another thread's connection: its list is copied, not iterated while it changes.
-        if not any(waiting[1] is callback for waiting in list(writer.run_on_commit)):
-            gone.append(entry)
+        if not any(waiting[1] is change.callback for waiting in list(change.writer.run_on_commit)):
+            gone.append(change)
     if gone:
-        for entry in gone:
-            _discard(entry)
+        for change in gone:
+            _discard(change)
+            _undone.add(change.row)
         invalidate()
 
 
-def _discard(entry: tuple[Any, Callable[[], None]]) -> None:
+def _discard(change: _Change) -> None:
     try:
-        _pending.remove(entry)
+        _pending.remove(change)
     except ValueError:  # another thread discarded it first
         pass
 
 
 def invalidate() -> None:
-    """Read the overrides again before the next decision (a change made in this process)."""
+    """Read the version stamp again before the next decision (a change made in this process).
+
+    What changed since the snapshot is read, or everything when the snapshot cannot be
+    brought up to date (the tables were emptied: ``post_migrate`` calls this after a flush).
+    """
     global _due, _generation
     _generation += 1
     _due = 0.0
@@ -356,32 +448,160 @@ def _refresh() -> None:
             throttled_logger.warning(
                 "overrides",
                 "rate-limit overrides could not be read, keeping the %d held: %s",
-                len(_snapshot.keyed) + len(_snapshot.every_key),
+                _snapshot.size(),
                 exc,
             )
+        if clock.override() is None:
+            # A pinned clock (tests) may be moved back: there every override read is kept
+            # and ``lookup`` alone tells which apply.
+            _forget(_snapshot.drop_ended(clock.app_now()), set())
         _due = started + settings.max_age if generation == _generation else 0.0
     finally:
         _lock.release()
 
 
 def _read() -> None:
-    overrides, version = _models()
+    """Bring the snapshot up to date: the rows changed since it, or all of them when it
+    cannot be (the first read, another epoch, a count gone back, cleanup past it)."""
+    global _snapshot, _behind
+    overrides, version, tombstones = _models()
     alias = database_alias()
+    in_transaction = connections[alias].in_atomic_block
     # Inside the caller's transaction a failing query must not break it (PostgreSQL
     # refuses every later statement of a transaction in error): a savepoint contains it.
-    scope = transaction.atomic(using=alias) if connections[alias].in_atomic_block else nullcontext()
+    scope = transaction.atomic(using=alias) if in_transaction else nullcontext()
+    undone = set(_undone)
     with scope:
-        stamp = version.objects.using(alias).filter(pk=1).values_list("stamp", flat=True).first() or 0
-        if stamp == _snapshot.stamp:
+        found = version.objects.using(alias).filter(pk=1).values_list("epoch", "revision", "stamp", "floor").first()
+        epoch, revision, stamp, floor = found or (0, 0, 0, 0)
+        # A change of this process not committed yet is read (on its own connection) but
+        # not counted as held: rolled back, its revision goes to another change.
+        upto = min([revision, *(change.revision - 1 for change in list(_pending))])
+        held = _snapshot
+        at = (epoch, revision, stamp)
+        if held.read_at == at and held.revision == upto and not undone:
             return
-        rows = overrides.objects.using(alias).all()
-        # Expired rows stay until someone deletes them; they need no place in memory. A
-        # pinned clock (tests) may be moved back, so there every row is kept and
-        # ``lookup`` alone tells which apply.
-        if clock.override() is None:
-            rows = rows.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))
-        found = list(rows.values_list("name", "key", "action", *NUMBERS, "expires_at"))
-    _install(stamp, [_from_row(*row) for row in found])
+        # Every change of this epoch was counted (see OverridesVersion), so those after
+        # the snapshot are the rows and tombstones of a later revision.
+        continued = held.read_at is not None and held.read_at[0] == epoch and stamp == -revision
+        if continued and revision < held.revision and in_transaction and not _behind:
+            # Behind the snapshot: either this transaction began before the last changes
+            # (REPEATABLE READ), or the database went back (a backup restored, a failover
+            # that lost commits). Seen again at the next read, it is the latter.
+            _behind = True
+            return
+        _behind = False
+        if continued and floor <= held.revision <= revision and len(undone) <= _MOST_UNDONE:
+            changes = _changes_since(overrides, tombstones, alias, held.revision, undone)
+            fresh = None
+        else:
+            fresh = _whole(overrides, alias)
+    _undone.difference_update(undone)
+    if fresh is None:
+        keys, limits = set(), set()
+        for row, override in changes.items():
+            if held.get(row) == override:
+                continue  # read again (a change not committed when it was read): the same
+            held.put(row, override)
+            if row[1]:
+                keys.add(row)
+            else:
+                limits.add(row[0])
+        held.read_at, held.revision = at, upto
+        _forget(keys, limits)
+        return
+    fresh.read_at, fresh.revision = at, upto
+    _snapshot = fresh
+    _forget(*_differences(held, fresh))
+    if fresh.size() > WARN_IN_FORCE:
+        throttled_logger.warning(
+            "overrides-size",
+            "%d rate-limit overrides are in force, more than the %d documented: every process reads them all at "
+            "its first decision (docs/settings.md#overrides)",
+            fresh.size(),
+            WARN_IN_FORCE,
+        )
+
+
+_FIELDS = ("name", "key", "action", *NUMBERS, "expires_at")
+
+
+def _whole(overrides: type[LimitOverride], alias: str) -> _Snapshot:
+    rows = overrides.objects.using(alias).all()
+    # Expired rows stay until cleanup deletes them; they need no place in memory. A
+    # pinned clock (tests) may be moved back, so there every row is kept and
+    # ``lookup`` alone tells which apply.
+    if clock.override() is None:
+        rows = rows.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))
+    snapshot = _Snapshot()
+    keyed, every_key, names, expiring = snapshot.keyed, snapshot.every_key, snapshot.names, snapshot.expiring
+    # The per-row work of the one read that grows with the table, kept to the bone: one
+    # (name, key) per row (unique), so no row replaces another.
+    for name, digest, action, rate, period, capacity, max_reserved, expires_at in rows.values_list(*_FIELDS):
+        expires = None if expires_at is None else (expires_at - _EPOCH) // _MICROSECOND
+        override = Override(name, digest, action, rate, period, capacity, max_reserved, expires)
+        if digest:
+            keyed[(name, digest)] = override
+        else:
+            every_key[name] = override
+        names[name] = names.get(name, 0) + 1
+        if expires is not None:
+            expiring.append((expires, name, digest))
+    heapq.heapify(expiring)
+    return snapshot
+
+
+def _changes_since(
+    overrides: type[LimitOverride],
+    tombstones: type[OverrideTombstone],
+    alias: str,
+    revision: int,
+    undone: set[tuple[str, str]],
+) -> dict[tuple[str, str], Override | None]:
+    """What each key changed after ``revision`` (and each of ``undone``) has now: its override, or None."""
+    latest: dict[tuple[str, str], tuple[int, Override | None]] = {}
+    # Rolled back here: what the database has now, whatever revision it was given.
+    undone_list = list(undone)
+    for start in range(0, len(undone_list), 100):
+        chunk = undone_list[start : start + 100]
+        latest.update(dict.fromkeys(chunk, (-1, None)))
+        which = Q()
+        for name, digest in chunk:
+            which |= Q(name=name, key=digest)
+        for row in overrides.objects.using(alias).filter(which).values_list(*_FIELDS, "revision"):
+            latest[(row[0], row[1])] = (-1, _from_row(*row[:-1]))
+    deleted = tombstones.objects.using(alias).filter(revision__gt=revision)
+    for name, digest, at in deleted.values_list("name", "key", "revision"):
+        latest[(name, digest)] = (at, None)
+    # A key deleted and written again has both: the later revision is what it has now.
+    for row in overrides.objects.using(alias).filter(revision__gt=revision).values_list(*_FIELDS, "revision"):
+        known = latest.get((row[0], row[1]))
+        if known is None or known[0] < row[-1]:
+            latest[(row[0], row[1])] = (row[-1], _from_row(*row[:-1]))
+    now = None if clock.override() is not None else clock.app_now()
+    return {
+        row: None if override is None or (now is not None and not override.in_force(now)) else override
+        for row, (_at, override) in latest.items()
+    }
+
+
+def _differences(old: _Snapshot, new: _Snapshot) -> tuple[set[tuple[str, str]], set[str]]:
+    """The keys and the limits (overrides of every key) whose override is not the same in ``new``."""
+    keys = {row for row in old.keyed.keys() | new.keyed.keys() if old.keyed.get(row) != new.keyed.get(row)}
+    limits = {
+        name
+        for name in old.every_key.keys() | new.every_key.keys()
+        if old.every_key.get(name) != new.every_key.get(name)
+    }
+    return keys, limits
+
+
+def _forget(keys: set[tuple[str, str]], limits: set[str]) -> None:
+    # A denial remembered under the old numbers would hide a new exemption, a raised
+    # rate, or the end of a block: those keys (and limits) are asked of the store again,
+    # in one walk of the remembered denials however many changed.
+    if keys or limits:
+        deny_cache.forget_overridden(keys, limits)
 
 
 def _from_row(
@@ -398,31 +618,13 @@ def _from_row(
     return Override(name, digest, action, rate, period, capacity, max_reserved, expires)
 
 
-def _install(stamp: int, found: list[Override]) -> None:
-    """Make ``found`` the snapshot, forgetting the denials a changed override may contradict."""
-    global _snapshot
-    keyed = {(o.name, o.digest): o for o in found if o.digest}
-    every_key = {o.name: o for o in found if not o.digest}
-    old = _snapshot
-    # A denial remembered under the old numbers would hide a new exemption, a raised
-    # rate, or the end of a block: those keys (and limits) are asked of the store again.
-    for row in old.keyed.keys() | keyed.keys():
-        if old.keyed.get(row) != keyed.get(row):
-            deny_cache.forget(*row)
-            deny_cache.forget_plans(*row)
-    for name in old.every_key.keys() | every_key.keys():
-        if old.every_key.get(name) != every_key.get(name):
-            deny_cache.forget_limit(name)
-            deny_cache.forget_plans(name)
-    names = frozenset(name for name, _ in keyed) | frozenset(every_key)
-    _snapshot = _Snapshot(stamp, keyed, every_key, names)
-
-
-def _models() -> tuple[type[LimitOverride], type[OverridesVersion]]:
+def _models() -> tuple[type[LimitOverride], type[OverridesVersion], type[OverrideTombstone]]:
     # Looked up, not imported: this module is imported (by ``api``) before the app
     # registry is ready, when settings files import ``django_tokenbucket``.
-    return apps.get_model("django_tokenbucket", "LimitOverride"), apps.get_model(
-        "django_tokenbucket", "OverridesVersion"
+    return (
+        apps.get_model("django_tokenbucket", "LimitOverride"),
+        apps.get_model("django_tokenbucket", "OverridesVersion"),
+        apps.get_model("django_tokenbucket", "OverrideTombstone"),
     )
 
 
@@ -536,30 +738,48 @@ def save(
 ) -> LimitOverride:
     """Create or replace the override of key ``digest`` ("" every key) of limit ``name``.
 
-    The row and the version stamp change in one transaction, which joins the caller's.
+    The row, at the next revision, and the version row change in one transaction, which
+    joins the caller's.
     """
-    overrides, _ = _models()
+    overrides, _, _ = _models()
     alias = database_alias()
     with transaction.atomic(using=alias):
+        revision = _bump(alias)
         row, _created = overrides.objects.using(alias).update_or_create(
-            name=name, key=digest, defaults={"label": label, "action": action, **numbers, **fields}
+            name=name,
+            key=digest,
+            defaults={"label": label, "action": action, **numbers, **fields, "revision": revision},
         )
-        _bump(alias)
-    _changed(alias)
+    _changed(alias, revision, (name, digest))
     return row
 
 
 def delete(name: str, digest: str) -> int:
-    """Delete the override of key ``digest`` ("" every key) of limit ``name``; return how many."""
-    overrides, _ = _models()
+    """Delete the override of key ``digest`` ("" every key) of limit ``name``; return how many.
+
+    A tombstone at the next revision tells the other processes, which read what changed.
+    """
+    overrides, _, tombstones = _models()
     alias = database_alias()
+    rows = overrides.objects.using(alias).filter(name=name, key=digest)
+    if not rows.exists():  # nothing to tell anyone: no revision for it
+        return 0
     with transaction.atomic(using=alias):
-        removed, _by_model = overrides.objects.using(alias).filter(name=name, key=digest).delete()
-        if removed:
-            _bump(alias)
-    if removed:
-        _changed(alias)
+        # The version row first, as every writer takes it: two writers never wait for
+        # each other's row in the opposite order.
+        revision = _bump(alias)
+        removed, _by_model = rows.delete()
+        tombstones.objects.using(alias).update_or_create(
+            name=name, key=digest, defaults={"revision": revision, "deleted_at": _as_datetime(clock.app_now())}
+        )
+    # Told even when another writer deleted it meanwhile: a tombstone is never wrong.
+    _changed(alias, revision, (name, digest))
     return int(removed)
+
+
+#: Seconds a tombstone is kept before cleanup deletes it: a process whose snapshot is
+#: older than that (idle for a day) reads every override at its next decision.
+TOMBSTONES_KEPT = 86_400
 
 
 def remove_expired(*, names: Iterable[str] | None = None, dry_run: bool = False) -> int:
@@ -567,26 +787,45 @@ def remove_expired(*, names: Iterable[str] | None = None, dry_run: bool = False)
     or all); return how many went (would go, with ``dry_run``). Cleanup calls it.
 
     An expired override applies nowhere already, so nothing changes for any decision and
-    no process has to read the overrides again. Nothing is done while overrides are off
-    (the tables may not exist) or ``KEEP_EXPIRED`` is None.
+    no process has to read the overrides again: ``OverridesVersion.floor`` rises past the
+    revisions deleted (and those of tombstones older than ``TOMBSTONES_KEPT``, deleted
+    too), so that only a process whose snapshot is older than them reads them all. Nothing
+    is done while overrides are off (the tables may not exist); ``KEEP_EXPIRED`` None
+    keeps every override, tombstones still go.
     """
     found = active()
-    if found is None or found.keep_expired is None:
+    if found is None:
         return 0
-    overrides, _ = _models()
-    before = _as_datetime(clock.app_now() - round(found.keep_expired * MICRO))
-    rows = overrides.objects.using(database_alias()).filter(expires_at__lt=before)
+    overrides, version, tombstones = _models()
+    alias = database_alias()
+    now = clock.app_now()
+    expired = overrides.objects.using(alias).none()
+    if found.keep_expired is not None:
+        expired = overrides.objects.using(alias).filter(
+            expires_at__lt=_as_datetime(now - round(found.keep_expired * MICRO))
+        )
+    old = tombstones.objects.using(alias).filter(deleted_at__lt=_as_datetime(now - TOMBSTONES_KEPT * MICRO))
     if names is not None:
-        rows = rows.filter(name__in=list(names))
+        names = list(names)
+        expired, old = expired.filter(name__in=names), old.filter(name__in=names)
     if dry_run:
-        return int(rows.count())
-    removed, _by_model = rows.delete()
+        return int(expired.count())
+    with transaction.atomic(using=alias):
+        # Locked: no change can take a revision between the floor read here and the deletion.
+        list(version.objects.using(alias).select_for_update().filter(pk=1).values_list("pk"))
+        floor = max(
+            expired.aggregate(most=Max("revision"))["most"] or 0, old.aggregate(most=Max("revision"))["most"] or 0
+        )
+        removed, _by_model = expired.delete()
+        old.delete()
+        if floor:
+            version.objects.using(alias).filter(pk=1, floor__lt=floor).update(floor=floor)
     return int(removed)
 
 
 def in_force(name: str | None = None) -> list[LimitOverride]:
     """Return the overrides in force (of limit ``name``, or all), by limit and key."""
-    overrides, _ = _models()
+    overrides, _, _ = _models()
     rows = overrides.objects.using(database_alias()).filter(
         Q(expires_at__isnull=True) | Q(expires_at__gt=_as_datetime(clock.app_now()))
     )
@@ -595,35 +834,54 @@ def in_force(name: str | None = None) -> list[LimitOverride]:
     return list(rows.order_by("name", "key"))
 
 
-def _bump(alias: str) -> None:
-    """Give the version stamp a new value: every process reads the overrides again."""
-    _, version = _models()
-    stamp = secrets.randbits(62) + 1  # never 0, what a missing row reads as
-    rows = version.objects.using(alias)
-    if rows.filter(pk=1).update(stamp=stamp):
-        return
-    try:
-        with transaction.atomic(using=alias):
-            rows.create(pk=1, stamp=stamp)
-    except IntegrityError:  # another writer created it meanwhile
-        rows.filter(pk=1).update(stamp=stamp)
+def _bump(alias: str) -> int:
+    """Count one more change in the version row, in the caller's transaction; return its revision.
+
+    The row stays locked until that transaction ends, so changes take their revisions
+    in the order they commit: a process that read revision N has read every change up
+    to N. A row whose stamp is not ``-revision`` was last changed by a version of this
+    app that did not count (see ``OverridesVersion``): a new epoch makes every process
+    read the whole table once.
+    """
+    _, version, _ = _models()
+    rows = version.objects.using(alias).filter(pk=1)
+    # The assignments in this order: MySQL and MariaDB evaluate them left to right, each
+    # seeing the ones before; the others all see the row as it was. Here both read the
+    # stamp and the revision as they were.
+    moved = rows.update(
+        epoch=Case(When(stamp=-F("revision"), then=F("epoch")), default=Value(_new_epoch())),
+        stamp=-(F("revision") + 1),
+        revision=F("revision") + 1,
+    )
+    if not moved:
+        try:
+            with transaction.atomic(using=alias):
+                version.objects.using(alias).create(pk=1, epoch=_new_epoch(), revision=1, stamp=-1, floor=0)
+            return 1
+        except IntegrityError:  # another writer made it meanwhile: it is there now
+            return _bump(alias)
+    return int(rows.values_list("revision", flat=True).get())
 
 
-def _changed(alias: str) -> None:
+def _new_epoch() -> int:
+    return secrets.randbits(62) + 1  # never 0, what a missing row reads as
+
+
+def _changed(alias: str, revision: int, row: tuple[str, str]) -> None:
     invalidate()
     writer = connections[alias]
     if not writer.in_atomic_block:
         return
     # Read again when the change commits too: until then a read on another thread's
     # connection would not see it. Watched until then, in case it is rolled back.
-    entry: tuple[Any, Callable[[], None]]
+    change = _Change(writer, revision, row)
 
     def committed() -> None:
-        _discard(entry)
+        _discard(change)
         invalidate()
 
-    entry = (writer, committed)
-    _pending.append(entry)
+    change.callback = committed
+    _pending.append(change)
     transaction.on_commit(committed, using=alias)
 
 
@@ -631,9 +889,12 @@ def _as_datetime(micro: int) -> datetime:
     return datetime.fromtimestamp(micro / MICRO, tz=UTC)
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
+
+
 def _as_micro(moment: datetime) -> int:
-    delta = moment - datetime(1970, 1, 1, tzinfo=UTC)
-    return delta // timedelta(microseconds=1)
+    return (moment - _EPOCH) // _MICROSECOND
 
 
 def _after_fork_in_child() -> None:
@@ -641,6 +902,9 @@ def _after_fork_in_child() -> None:
     # The parent's lock may have been held by another thread at the fork; the child
     # keeps the snapshot but reads the stamp again before its first decision.
     _lock = threading.Lock()
+    # Changes of the parent's transactions: the child takes their keys again from the
+    # database, whatever became of them.
+    _undone.update(change.row for change in _pending)
     _pending.clear()
     invalidate()
     # The asyncio paths read through sync_to_async's one shared worker thread. A parent
@@ -661,6 +925,7 @@ def _settings_changed(*, setting: str, **kwargs: Any) -> None:
     global _settings, _snapshot
     if setting == "TOKENBUCKET":
         _settings = True
-        _snapshot = _EMPTY
+        _snapshot = _Snapshot()
         _pending.clear()
+        _undone.clear()
         invalidate()

@@ -591,8 +591,9 @@ def _report_override(conn):
 def test_a_forked_child_reads_the_overrides_again(backend, clock):
     assert limiter.check("login", "k").override is None  # this process has read them
     # Written behind this process' back, as another process would.
-    LimitOverride.objects.create(name="login", key=encode_key("k").digest, action="block")
-    overrides._bump(overrides.database_alias())
+    with transaction.atomic():
+        revision = overrides._bump(overrides.database_alias())
+        LimitOverride.objects.create(name="login", key=encode_key("k").digest, action="block", revision=revision)
     assert limiter.check("login", "k").override is None, "MAX_AGE is not over here"
     connections.close_all()
     context = multiprocessing.get_context("fork")
