@@ -144,7 +144,7 @@ def parse(value: object) -> Settings | None:
     return Settings(float(max_age), None if keep is None else float(keep))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a process may hold 10^5 of them (docs/settings.md#overrides)
 class Override:
     """One override as this process holds it: what a ``LimitOverride`` row says, in the
     units decisions use."""
@@ -512,7 +512,8 @@ def _read() -> None:
         return
     fresh.read_at, fresh.revision = at, upto
     _snapshot = fresh
-    _forget(*_differences(held, fresh))
+    if deny_cache.size():  # (a process' first read has nothing to compare with nor forget)
+        _forget(*_differences(held, fresh))
     if fresh.size() > WARN_IN_FORCE:
         throttled_logger.warning(
             "overrides-size",
