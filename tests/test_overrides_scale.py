@@ -222,6 +222,7 @@ def test_a_transaction_whose_view_lags_behind_the_snapshot_neither_reads_all_nor
 
 
 def test_a_refresh_forgets_the_remembered_denials_of_the_keys_changed_alone(overridable):
+    load(100)
     for key in ("changed", "unchanged"):
         for _ in range(3):
             assert limiter.limit("login", key).ok
