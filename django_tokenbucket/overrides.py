@@ -221,8 +221,8 @@ class _Snapshot:
     def __init__(self) -> None:
         #: ``(epoch, revision, stamp)`` of the version row at the last read; None before it.
         self.read_at: tuple[int, int, int] | None = None
-        #: Every change up to this revision is here (and none of a later revision is missing
-        #: but those read since): what the next read asks for the changes above.
+        #: Every change up to this revision is here (some later ones may be too): the next
+        #: read asks for the changes above it.
         self.revision = 0
         self.keyed: dict[tuple[str, str], Override] = {}
         self.every_key: dict[str, Override] = {}
@@ -454,7 +454,8 @@ def _refresh() -> None:
         if clock.override() is None:
             # A pinned clock (tests) may be moved back: there every override read is kept
             # and ``lookup`` alone tells which apply.
-            _forget(_snapshot.drop_ended(clock.app_now()), set())
+            ended = _snapshot.drop_ended(clock.app_now())
+            _forget({row for row in ended if row[1]}, {name for name, digest in ended if not digest})
         _due = started + settings.max_age if generation == _generation else 0.0
     finally:
         _lock.release()

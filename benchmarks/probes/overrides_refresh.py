@@ -66,7 +66,8 @@ def main() -> None:
         commit = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", args.before], check=True, capture_output=True, text=True
         ).stdout.strip()
-        for label, code in ((f"before ({args.before} {commit})", Path(exported)), ("after (this tree)", ROOT)):
+        before = f"before ({commit})" if commit.startswith(args.before[:7]) else f"before ({args.before} {commit})"
+        for label, code in ((before, Path(exported)), ("after (this tree)", ROOT)):
             command = [sys.executable, __file__, "--worker", str(code), "--label", label, "--sizes", args.sizes]
             done = subprocess.run(
                 [*command, "--repeat", str(args.repeat)], check=True, stdout=subprocess.PIPE, text=True
