@@ -52,7 +52,7 @@ from asgiref.sync import SyncToAsync, sync_to_async
 from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
-from django.db import IntegrityError, connections, router, transaction
+from django.db import connections, router, transaction
 from django.db.models import Case, F, Max, Q, Value, When
 from django.dispatch import receiver
 from django.utils import timezone
@@ -847,22 +847,43 @@ def _bump(alias: str) -> int:
     """
     _, version, _ = _models()
     rows = version.objects.using(alias).filter(pk=1)
-    # The assignments in this order: MySQL and MariaDB evaluate them left to right, each
-    # seeing the ones before; the others all see the row as it was. Here both read the
-    # stamp and the revision as they were.
-    moved = rows.update(
-        epoch=Case(When(stamp=-F("revision"), then=F("epoch")), default=Value(_new_epoch())),
-        stamp=-(F("revision") + 1),
-        revision=F("revision") + 1,
-    )
-    if not moved:
-        try:
-            with transaction.atomic(using=alias):
-                version.objects.using(alias).create(pk=1, epoch=_new_epoch(), revision=1, stamp=-1, floor=0)
-            return 1
-        except IntegrityError:  # another writer made it meanwhile: it is there now
-            return _bump(alias)
+
+    def count() -> int:
+        # The assignments in this order: MySQL and MariaDB evaluate them left to right,
+        # each seeing the ones before; the others all see the row as it was. Here both
+        # read the stamp and the revision as they were.
+        return rows.update(
+            epoch=Case(When(stamp=-F("revision"), then=F("epoch")), default=Value(_new_epoch())),
+            stamp=-(F("revision") + 1),
+            revision=F("revision") + 1,
+        )
+
+    if not count():  # no row yet (a new or flushed table): made, or found made meanwhile
+        _make_version_row(alias, version)
+        count()
     return int(rows.values_list("revision", flat=True).get())
+
+
+def _make_version_row(alias: str, version: type[OverridesVersion]) -> None:
+    """Insert the version row at revision 0 unless another writer just did, without an error."""
+    writer = connections[alias]
+    if writer.vendor != "mysql":
+        # ON CONFLICT DO NOTHING (PostgreSQL waits for the other writer's commit first).
+        version.objects.using(alias).bulk_create(
+            [version(pk=1, epoch=_new_epoch(), revision=0, stamp=0, floor=0)], ignore_conflicts=True
+        )
+        return
+    # Not INSERT IGNORE (Django's ignore_conflicts here): on a duplicate it takes a shared
+    # lock, and two writers that both hold one deadlock when the UPDATE wants it
+    # exclusive. ON DUPLICATE KEY UPDATE takes the exclusive lock at once.
+    quote = writer.ops.quote_name
+    columns = ", ".join(quote(column) for column in ("id", "epoch", "revision", "stamp", "floor"))
+    with writer.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {quote(version._meta.db_table)} ({columns}) VALUES (1, %s, 0, 0, 0) "
+            f"ON DUPLICATE KEY UPDATE {quote('id')} = {quote('id')}",
+            [_new_epoch()],
+        )
 
 
 def _new_epoch() -> int:
