@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
@@ -15,7 +14,7 @@ from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
-from . import analytics, clock, deny_cache, metrics, overrides, registry, signals
+from . import analytics, clock, deny_cache, metrics, overrides, registry, signals, waits
 from .algorithms import MICRO, Decision
 from .backends import get_backend
 from .backends.base import BackendError, BaseBackend, Outcome, Request, made_request
@@ -337,7 +336,8 @@ class Limiter:
             status = self._decide_unsharded(limit, key, count, True, apply=True, throws=True, rule=rule)
         wait = _wait_for(limit, status)
         if wait:
-            time.sleep(wait)
+            # Interrupted (a signal handler raising), the reservation is given back.
+            waits.slept(wait, status, lambda _: self.refund(name, key, count, config))
         return status
 
     async def aacquire(
@@ -351,11 +351,11 @@ class Limiter:
         """``acquire()`` for async code: it awaits, never blocking the event loop."""
         await overrides.arefresh_if_due()
         limit, rule = self._acquiring(name, key, count, timeout, config)
-        status = await self._adrive(self._one(name, key, count, True, limit, apply=True, throws=True, rule=rule))
-        wait = _wait_for(limit, status)
-        if wait:
-            await asyncio.sleep(wait)
-        return status
+        decide = self._adrive(self._one(name, key, count, True, limit, apply=True, throws=True, rule=rule))
+        # Cancelled anywhere (a client gone from an async view), what it reserved goes back.
+        return await waits.aacquired(
+            decide, lambda status: _wait_for(limit, status), lambda _: self.arefund(name, key, count, config)
+        )
 
     def _acquiring(
         self, name: str, key: object, count: int | float, timeout: float | None, config: ConfigSpec | None
