@@ -327,6 +327,8 @@ class Limiter:
         nothing and raises RateLimited, whose ``retry_after`` says when the same call
         would wait no longer; ``max_reserved`` bounds the wait too. A count that no wait
         within ``timeout`` could cover raises ValueError. A shadow limit never waits.
+        A sleep that an exception interrupts (a signal handler: Celery's soft time
+        limit) gives the reserved tokens back.
         """
         overrides.refresh_if_due()
         limit, rule = self._acquiring(name, key, count, timeout, config)
@@ -348,7 +350,11 @@ class Limiter:
         timeout: float | None = None,
         config: ConfigSpec | None = None,
     ) -> Status:
-        """``acquire()`` for async code: it awaits, never blocking the event loop."""
+        """``acquire()`` for async code: it awaits, never blocking the event loop.
+
+        Cancelled at any point (a client gone from an async view), it gives back what it
+        reserved, once (``django_tokenbucket.waits``).
+        """
         await overrides.arefresh_if_due()
         limit, rule = self._acquiring(name, key, count, timeout, config)
         decide = self._adrive(self._one(name, key, count, True, limit, apply=True, throws=True, rule=rule))

@@ -4,7 +4,9 @@ In this process (eager runs, direct calls, the checks) and with real workers on 
 broker: 4 prefork workers hold 100 tasks to 20 a second at every instant, each run once,
 without blocking a plain task queued behind them; a pool process that dies between
 deferring a task and acknowledging its message neither loses nor duplicates it; the same
-on RabbitMQ with the tokens in Redis.
+on RabbitMQ with the tokens in Redis. A deferred run is a delivery of the task itself
+(its name in logs and signals), a retry is a delivery of its own, deferred in turn (issue
+47 item 8, issue 49 item 6), and a refusal is retried within max_retries, never forever.
 """
 
 from __future__ import annotations

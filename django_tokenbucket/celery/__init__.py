@@ -76,12 +76,6 @@ logger = logging.getLogger("django_tokenbucket")
 
 #: The name of the task that runs a reservation's work (``tasks.run_reservation``).
 RUN_RESERVATION_TASK = "django_tokenbucket.run_reservation"
-#: The message header that makes a delivery of a ``RateLimitedTask`` the run of a
-#: reservation (its id): the task runs under its own name, in the reservation's bookkeeping.
-RESERVATION_HEADER = "tokenbucket_reservation"
-#: Where a deferral keeps, beside the stored signature, the delivery it defers: the task's
-#: id, its ``retries`` and its place in a workflow, which its deferred run carries on.
-DELIVERY = "delivery"
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -318,31 +312,9 @@ def _publish(pk: Any, eta: datetime, stored: Mapping[str, Any]) -> None:
     """
     task = current_app.tasks.get(stored["task"])
     if isinstance(task, RateLimitedTask):
-        _send_as_itself(task, pk, eta, stored)
+        task._publish_run(pk, eta, stored)
     else:
         _send(pk, eta, publish_options(stored))
-
-
-def _send_as_itself(task: RateLimitedTask, pk: Any, eta: datetime, stored: Mapping[str, Any]) -> None:
-    """Publish reservation ``pk``'s run as a message of its own task, under the deferred
-    delivery's id and ``retries`` (the reservation's id for ``schedule()``'s)."""
-    loaded = load_signature(stored)
-    options = dict(loaded.get("options") or {})
-    headers = {**(options.pop("headers", None) or {}), RESERVATION_HEADER: str(pk)}
-    delivery = stored.get(DELIVERY) or {}
-    task.apply_async(
-        loaded.get("args") or (),
-        loaded.get("kwargs") or {},
-        task_id=delivery.get("id") or str(pk),
-        retries=int(delivery.get("retries") or 0),
-        root_id=delivery.get("root_id"),
-        parent_id=delivery.get("parent_id"),
-        eta=eta if eta > timezone.now() else None,
-        headers=headers,
-        # Published by the delivery it defers: not a subtask of it.
-        add_to_parent=False,
-        **options,
-    )
 
 
 def _send(pk: Any, eta: datetime, options: Mapping[str, Any]) -> None:
@@ -616,4 +588,4 @@ def _publish_batches(alias: str, queryset: Any, batch: int, now: datetime) -> tu
 
 
 # Last: the task base builds on the names above.
-from .task import RateLimitedTask  # noqa: E402
+from .task import RESERVATION_HEADER, RateLimitedTask  # noqa: E402

@@ -22,6 +22,7 @@ import logging
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from datetime import datetime
 from typing import Any
 
 from celery import Task
@@ -29,30 +30,29 @@ from celery._state import _task_stack
 from celery.exceptions import Ignore
 from django.core.exceptions import ImproperlyConfigured
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
 from ..api import limiter
 from ..exceptions import RateLimited
 from ..limits import LimitConfig
 from ..status import Status
-from . import (
-    DELIVERY,
-    RESERVATION_HEADER,
-    _current,
-    _publish,
-    _record_reservation,
-    _undo_reservation,
-    reservations,
-    run_reservation_work,
-)
+from . import _current, _publish, _record_reservation, _undo_reservation, reservations, run_reservation_work
 from .reservations import WAITING, HeldTokens, reservation_model, took_nothing
-from .signatures import dump_signature
+from .signatures import dump_signature, load_signature
 
-__all__ = ["RateLimitedTask", "deferral_id"]
+__all__ = ["RESERVATION_HEADER", "RateLimitedTask", "deferral_id"]
 
 logger = logging.getLogger("django_tokenbucket")
 
 #: kombu transports that set ``redelivered`` on every message delivered again.
 _REDELIVERY_FLAGGING_DRIVERS = frozenset({"amqp", "redis"})
+
+#: The message header that makes a delivery of a ``RateLimitedTask`` the run of a
+#: reservation (its id): the task runs under its own name, in the reservation's bookkeeping.
+RESERVATION_HEADER = "tokenbucket_reservation"
+#: Where a deferral keeps, beside the stored signature, the delivery it defers: the task's
+#: id, its ``retries`` and its place in a workflow, which its deferred run carries on.
+DELIVERY = "delivery"
 
 #: Deferrals of tasks whose ids are not UUIDs get one derived from the id.
 _DEFERRAL_NAMESPACE = uuid.UUID("0e1f6a52-3c57-4bd2-9a44-7f3bb1a1e2a9")
@@ -173,6 +173,28 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
         if headers and RESERVATION_HEADER in headers:
             signature.options["headers"] = {k: v for k, v in headers.items() if k != RESERVATION_HEADER}
         return signature
+
+    def _publish_run(self, pk: Any, eta: datetime, stored: Mapping[str, Any]) -> None:
+        """Publish the run of reservation ``pk`` (this task's ``stored`` signature) as a
+        message of this task, under the deferred delivery's id and ``retries`` (the
+        reservation's id for ``schedule()``'s), marked with ``pk``."""
+        loaded = load_signature(stored)
+        options = dict(loaded.get("options") or {})
+        headers = {**(options.pop("headers", None) or {}), RESERVATION_HEADER: str(pk)}
+        delivery = stored.get(DELIVERY) or {}
+        self.apply_async(
+            loaded.get("args") or (),
+            loaded.get("kwargs") or {},
+            task_id=delivery.get("id") or str(pk),
+            retries=int(delivery.get("retries") or 0),
+            root_id=delivery.get("root_id"),
+            parent_id=delivery.get("parent_id"),
+            eta=eta if eta > timezone.now() else None,
+            headers=headers,
+            # Published by the delivery it defers: not a subtask of it.
+            add_to_parent=False,
+            **options,
+        )
 
     def _take_or_defer(
         self, limit: LimitConfig, key: Any, count: Any, amount: int, args: tuple[Any, ...], kwargs: dict[str, Any]
