@@ -12,6 +12,7 @@ from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
 from ...exceptions import RateLimited
+from ...request_keys import note_view_key
 from . import ALL, UNSAFE
 from .core import _last_status, is_ratelimited
 from .exceptions import Ratelimited
@@ -36,6 +37,8 @@ def ratelimit(
     """
 
     def decorator(fn: View) -> View:
+        note_view_key(f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}", key)  # for W005
+
         def limited(request: HttpRequest) -> bool:
             old_limited = getattr(request, "limited", False)
             token = _last_status.set(None)
