@@ -116,6 +116,7 @@ def test_10_mariadb_gives_the_user_table_its_default_collation_and_it_ignores_ac
 
 
 @pytest.mark.only_on("mariadb")
+@pytest.mark.every_database  # the fold follows the user table's database, on either store
 def test_10_every_accent_spelling_that_logs_in_as_the_victim_meets_its_bucket(backend, victim):
     users = get_user_model().objects
     # Each of the 400 names the victim's account to the database: it is the same login.
@@ -132,6 +133,7 @@ def test_10_every_accent_spelling_that_logs_in_as_the_victim_meets_its_bucket(ba
 
 
 @pytest.mark.only_on("mariadb")
+@pytest.mark.every_database  # the fold follows the user table's database, on either store
 def test_10_a_block_on_the_victim_holds_for_every_spelling(backend, victim):
     login = login_view()
     limiter.block("login_guesses", ("post:username", "victim"), reason="under attack")
@@ -319,6 +321,7 @@ def test_10_keys_that_fold_less_than_the_column_are_warned(transactional_db):
 
 
 @pytest.mark.only_on("postgres")
+@pytest.mark.every_database  # the fold follows the user table's database, on either store
 def test_10_a_postgresql_column_with_an_accent_insensitive_collation_is_warned_then_folded(backend, victim):
     """PostgreSQL compares exactly unless a column says otherwise: a project may give its
     usernames an ICU collation that ignores case and accents (nondeterministic)."""
