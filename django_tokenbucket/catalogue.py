@@ -29,7 +29,8 @@ _BACKENDS_HINT = (
 
 @dataclass(frozen=True)
 class Check:
-    """One system check: ``code`` (``"E011"``: E for an error, W for a warning), and the
+    """One system check: ``code`` (``"E011"``: E for an error, W for a warning, I for
+    information), and the
     message and hint as ``str.format`` templates of the values it is raised with."""
 
     code: str
@@ -42,7 +43,7 @@ class Check:
 
     def __call__(self, obj: Any = None, **values: Any) -> checks.CheckMessage:
         """Return this check's message for ``values``, about ``obj``."""
-        level = checks.Error if self.code.startswith("E") else checks.Warning
+        level = {"E": checks.Error, "W": checks.Warning, "I": checks.Info}[self.code[0]]
         hint = None if self.hint is None else self.hint.format(**values)
         return level(self.message.format(**values), hint=hint, obj=obj, id=self.id)
 
@@ -140,12 +141,41 @@ E053 = Check(
     "For example TOKENBUCKET['ANALYTICS'] = {{'FLUSH': 10, 'TOP_KEYS': 20, 'MAX_KEYS': 1000}}, or None to turn "
     "analytics off (docs/settings.md#analytics).",
 )
+E054 = Check(
+    "E054",
+    "TOKENBUCKET['FOLD_KEY_ACCENTS'] must be None (decided by the user table's database), True or False, "
+    "not {value!r}.",
+)
 W002 = Check("W002", "TOKENBUCKET has unknown setting(s): {names}.", "Known settings: {known}.")
 W003 = Check(
     "W003",
     "TOKENBUCKET['IP_HEADER'] = {header!r} is ignored: it is honoured only on requests from a trusted proxy "
     "given by its address, and TRUSTED_PROXIES is {trusted!r}.",
     "Give TRUSTED_PROXIES as the CIDRs of the proxies that set the header, e.g. ['10.0.0.0/8'].",
+)
+W005 = Check(
+    "W005",
+    "{view} is rate-limited by key={key!r}, a header that clients write themselves: each request can name "
+    "a new address and get a fresh bucket.",
+    "Key it on the client's address, key='ip', and say which proxies are yours with "
+    "TOKENBUCKET['TRUSTED_PROXIES'] (and 'IP_HEADER' for an edge header such as 'CF-Connecting-IP'): "
+    "then the address is read only from what your proxies wrote (docs/security.md#forged-x-forwarded-for).",
+)
+
+# -- the keys of request data and the user table (a database check: check --database) ------
+
+I001 = Check(
+    "I001",
+    "Keys taken from request data (post:, get:, header:, username) are folded: {folding} ({reason}); "
+    "{column} {compares}.",
+)
+W004 = Check(
+    "W004",
+    "Keys taken from request data (post:, get:, header:, username) are folded: {folding} ({reason}), but "
+    "{column} has collation {collation}, which takes {first!r} and {second!r} for one name: they get two "
+    "buckets, so an attacker gets a per-account limit per spelling of the account's name.",
+    "Set TOKENBUCKET['FOLD_KEY_ACCENTS'] = True (it folds case too), or leave FOLD_KEY_CASE at True "
+    "(docs/settings.md#fold_key_accents).",
 )
 
 # -- the backends' options (each backend's check_options) --------------------------------
@@ -219,6 +249,13 @@ E040 = Check(
 )
 E041 = Check("E041", "{setting} must be a prefix length from 0 to {bits}, not {value!r}.")
 E042 = Check("E042", "RATELIMIT_EXCEPTION_CLASS = {value!r}: {error}")
+E043 = Check(
+    "E043",
+    "RATELIMIT_IP_META_KEY = {value!r} reads the {header} header, which clients write themselves, and "
+    "{missing}: every request could name a new address and get a fresh bucket.",
+    "{fix} django_tokenbucket then reads the address from what your proxies wrote "
+    "(docs/migrating.md#client-addresses).",
+)
 W040 = Check(
     "W040",
     "django_tokenbucket.compat.ratelimit keeps its limits in TOKENBUCKET's backend, not in the cache "

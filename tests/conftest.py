@@ -99,6 +99,7 @@ REDIS_CASES_MODULES = frozenset(
         "test_plans",
         "test_red_team",
         "test_red_team_2",
+        "test_red_team_3_keys",
         "test_refund",
     }
 )
