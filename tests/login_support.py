@@ -80,3 +80,25 @@ urlpatterns = [
     path("api/token/", obtain_auth_token),
     path("api/login/", api_login),
 ]
+
+
+class CheckThenCountBackend:
+    """The way a limiter that counts failures once they are known works (django-axes'):
+    refuse a key whose failures ran out, else let the password be checked, and count a
+    failure afterwards (``count_failure``, a ``user_login_failed`` receiver). The negative
+    control of tests/test_login_concurrency.py."""
+
+    def authenticate(self, request: Any, username: str | None = None, **credentials: Any) -> None:
+        from django.core.exceptions import PermissionDenied
+
+        from django_tokenbucket import limiter
+
+        if not limiter.check("login_failures", ("username", username)).ok:
+            raise PermissionDenied
+        return None
+
+
+def count_failure(sender: Any, credentials: dict[str, Any], **kwargs: Any) -> None:
+    from django_tokenbucket import limiter
+
+    limiter.limit("login_failures", ("username", credentials.get("username")))
