@@ -434,3 +434,47 @@ def test_a_failed_store_refuses_logins_unchecked_and_json_gets_503(protected):
         assert authenticate(username="victim", password="right") is None
     assert response.status_code == 503 and response["Cache-Control"] == "no-store"
     assert checked() == 0
+
+
+# -- transactions ---------------------------------------------------------------------------
+
+_SECOND_ALIAS = {"postgres": "serializable", "mariadb": "repeatable_read"}
+
+
+def _drf_failures(monkeypatch, count):
+    from django.db import connections
+
+    monkeypatch.setitem(connections.settings["default"], "ATOMIC_REQUESTS", True)
+    client = Client(REMOTE_ADDR="203.0.113.7")
+    body = json.dumps({"username": "victim", "password": "wrong"})
+    return [client.post("/api/token/", body, content_type="application/json").status_code for _ in range(count)]
+
+
+@pytest.mark.parametrize("store", ["database"], indirect=True)
+def test_w062_under_atomic_requests_drf_rolls_its_failures_back_with_the_request(protected, monkeypatch):
+    """The weakness check W062 warns of: DRF rolls back every request it answers with an
+    error, and the failure's token with it, when the limit is in that transaction."""
+    assert _drf_failures(monkeypatch, 4) == [400] * 4
+    assert tokens(USERNAME) == 3
+    assert checked() == 4
+
+
+@pytest.mark.parametrize("store", ["redis"], indirect=True)
+def test_under_atomic_requests_a_limit_on_redis_keeps_the_failures(protected, monkeypatch):
+    """What W062 advises: the login limit outside the request's transaction."""
+    assert _drf_failures(monkeypatch, 4) == [400, 400, 400, 429]
+    assert (tokens(USERNAME), checked()) == (0, 3)
+
+
+@pytest.mark.only_on("postgres", "mariadb")  # SQLite has one writer: the request's transaction holds it
+@pytest.mark.django_db(transaction=True, databases="__all__")
+@pytest.mark.parametrize("store", ["database"], indirect=True)
+def test_under_atomic_requests_a_limit_on_a_second_alias_keeps_the_failures(protected, store, monkeypatch):
+    """The other advice of W062: a second alias of the same database, a connection (and
+    transactions) of its own."""
+    from django.conf import settings
+
+    with configure({**store, "OPTIONS": {"DATABASE": _SECOND_ALIAS[settings.DB]}}):
+        assert _drf_failures(monkeypatch, 4) == [400, 400, 400, 429]
+        assert tokens(USERNAME) == 0
+    assert checked() == 3
