@@ -299,7 +299,9 @@ def test_without_cooloff_the_bucket_refills_at_its_rate(protected):
     clock, _user = protected
     for _ in range(3):
         authenticate(username="victim", password="wrong")
-    clock.advance(1200)
+    clock.advance(1199)
+    assert authenticate(username="victim", password="right") is None
+    clock.advance(1)
     assert authenticate(username="victim", password="right") is not None
     assert checked() == 4
 
@@ -457,6 +459,13 @@ def test_w062_under_atomic_requests_drf_rolls_its_failures_back_with_the_request
     assert _drf_failures(monkeypatch, 4) == [400] * 4
     assert tokens(USERNAME) == 3
     assert checked() == 4
+    from django.db import connections
+
+    monkeypatch.setitem(connections.settings["default"], "ATOMIC_REQUESTS", False)
+    Client(REMOTE_ADDR="203.0.113.7").post(
+        "/api/token/", json.dumps({"username": "victim", "password": "wrong"}), content_type="application/json"
+    )
+    assert tokens(USERNAME) == 2  # outside a transaction, the failure stays spent
 
 
 @pytest.mark.parametrize("store", ["redis"], indirect=True)
