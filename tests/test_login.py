@@ -255,14 +255,15 @@ def test_a_response_hook_answers_every_refused_login(protected, store):
     def lockout_page(request, status):
         from django.http import HttpResponse
 
-        return HttpResponse(f"locked, retry in {status.retry_after_header} s", status=403)
+        return HttpResponse(f"locked, retry in {status.retry_after_header} s", status=429)
 
     with configure(store, RESPONSE=lockout_page):
         client = Client(REMOTE_ADDR="203.0.113.7")
         for _ in range(3):
             client.post("/accounts/login/", {"username": "victim", "password": "wrong"})
         locked = client.post("/accounts/login/", {"username": "victim", "password": "right"})
-    assert (locked.status_code, locked.content) == (403, b"locked, retry in 1200 s")
+    assert (locked.status_code, locked.content) == (429, b"locked, retry in 1200 s")
+    assert (locked["Retry-After"], locked["Cache-Control"]) == ("1200", "no-store")
 
 
 # -- lockouts ---------------------------------------------------------------------------

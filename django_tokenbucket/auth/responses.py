@@ -7,7 +7,8 @@ client (``Accept`` or ``Content-Type`` naming JSON) whose login view answered wi
 4xx gets ``TOKENBUCKET["RESPONSE"]``'s 429 instead, with ``Retry-After`` and
 ``Cache-Control: no-store`` (503 when the store failed and the limiter fails closed).
 ``LOGIN["RESPONSE"]``, a callable ``(request, status) -> response``, answers every
-refused login instead, forms included (a lockout page, a redirect).
+refused login instead, forms included (a lockout page, a redirect); a 429 of its gets
+``Retry-After`` unless it set one.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def login_response(request: HttpRequest, response: HttpResponseBase) -> HttpResp
     login = config.active()
     if refusal.status is not None and login is not None and login.response is not None:
         hooked: HttpResponseBase = login.response(request, refusal.status)
+        retry_after = refusal.status.retry_after_header
+        if hooked.status_code == 429 and retry_after is not None and not hooked.has_header("Retry-After"):
+            hooked["Retry-After"] = str(retry_after)
         return hooked
     if not _wants_json(request) or not 400 <= code < 500:
         return response
