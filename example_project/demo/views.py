@@ -105,9 +105,7 @@ def lockout_seconds(lockouts: int) -> int:
 def locked_out(request: HttpRequest, status: Status) -> HttpResponse:
     """``LOGIN["RESPONSE"]``: the page of a login refused because its key is locked out."""
     retry_after = status.retry_after_header
-    return render(
-        request, "demo/429.html", {"status": status, "retry_after": retry_after, "login": True}, status=429
-    )
+    return render(request, "demo/429.html", {"status": status, "retry_after": retry_after, "login": True}, status=429)
 
 
 # -- an async view: @ratelimit on async def -----------------------------------------------
