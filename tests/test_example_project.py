@@ -273,7 +273,13 @@ def test_demo_shows_every_integration_and_stops_on_ctrl_c(demo: Demo) -> None:
     # ...and the README's unlock ends it: mallory's password is checked again.
     unlocked = demo.manage("tokenbucket", "unlock", "--username", "mallory")
     assert "Unlocked login_failures key username=mallory: removed its block" in unlocked, unlocked
-    assert client.post("/login/", {"username": "mallory", "password": "guess"}).status == 200
+    # (The server applies the removed block within OVERRIDES["MAX_AGE"], 5 s.)
+    wait_for(
+        lambda: client.post("/login/", {"username": "mallory", "password": "guess"}).status == 200,
+        10,
+        "mallory's password checked again after the unlock",
+        interval=1,
+    )
 
     # An async def view with @ratelimit (a fixed window on the partner API).
     converted = client.get("/convert/?amount=100&from=EUR&to=USD")

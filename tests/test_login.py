@@ -20,7 +20,7 @@ from django.contrib.auth.signals import user_login_failed
 from django.test import Client, RequestFactory, override_settings
 
 from django_tokenbucket import limiter, overrides
-from django_tokenbucket.auth import unlock
+from django_tokenbucket.auth import is_locked, unlock
 from django_tokenbucket.keys import Redacted
 from django_tokenbucket.models import LimitOverride, RateLimit
 from django_tokenbucket.signals import login_locked_out
@@ -389,7 +389,10 @@ def test_unlock_ends_a_lockout_of_a_username_and_of_an_address(protected, store)
         for _ in range(2):
             authenticate(post("198.51.100.1"), username="victim", password="wrong")
         assert authenticate(post("198.51.100.2"), username="victim", password="right") is None
+        assert is_locked(username="VICTIM") and is_locked(ip="203.0.113.7")
+        assert not is_locked(username="someone") and not is_locked(ip="198.51.100.2")
         done = unlock(username=" Victim ")
+        assert not is_locked(username="victim")
         assert [(u.typed, u.unblocked) for u in done] == [("username=victim", True)]
         assert authenticate(post("198.51.100.2"), username="victim", password="right") is not None
         assert authenticate(post(), username="victim", password="right") is None  # the address is still locked

@@ -1,4 +1,4 @@
-"""Ending lockouts: ``unlock(username=..., ip=...)``, ``manage.py tokenbucket unlock``."""
+"""Lockouts for operators: ``is_locked()`` and ``unlock()`` (``manage.py tokenbucket unlock``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from . import config
 from .attempts import blocks_in_force
 from .keys import key_of, typed_parts
 
-__all__ = ["Unlocked", "aunlock", "unlock"]
+__all__ = ["Unlocked", "ais_locked", "aunlock", "is_locked", "unlock"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,36 @@ class Unlocked:
     was_empty: bool
 
 
+def _entries(username: str | None, ip: str | None) -> tuple[str, list[tuple[tuple[str, ...], object, str]]]:
+    """The login limit's name, and each entry of KEYS made of the parts given: (entry,
+    key, as typed); ValueError for a malformed part, ImproperlyConfigured when LOGIN is off."""
+    login = config.configured()
+    if login is None:
+        raise ImproperlyConfigured("login protection is off (TOKENBUCKET['LOGIN'] is None or False)")
+    parts = typed_parts(username, ip)
+    if not parts:
+        raise ValueError("give a username, an address, or both")
+    found = []
+    for entry in login.keys:
+        if all(part in parts for part in entry):
+            typed = ", ".join(f"{part}={_shown(parts[part])}" for part in entry)
+            found.append((entry, key_of([parts[part] for part in entry]), typed))
+    return login.limit, found
+
+
+def is_locked(*, username: str | None = None, ip: str | None = None) -> bool:
+    """Whether a login with ``username`` and/or from ``ip`` would be refused now by an entry
+    of ``LOGIN["KEYS"]`` made of those parts: a block in force, or a bucket without a
+    token for a login. Changes nothing. For a project's "this account is locked" badge."""
+    name, entries = _entries(username, ip)
+    return any(not limiter.check(name, key).ok for _entry, key, _typed in entries)
+
+
+async def ais_locked(*, username: str | None = None, ip: str | None = None) -> bool:
+    """``is_locked()`` for async code."""
+    return await sync_to_async(is_locked)(username=username, ip=ip)
+
+
 def unlock(*, username: str | None = None, ip: str | None = None) -> list[Unlocked]:
     """End the lockouts of ``username`` and/or the address ``ip``: for every entry of
     ``LOGIN["KEYS"]`` made of the parts given, remove the key's block and fill its bucket
@@ -38,27 +68,19 @@ def unlock(*, username: str | None = None, ip: str | None = None) -> list[Unlock
     they are. ValueError for a malformed part, ImproperlyConfigured when LOGIN is off.
     """
     login = config.configured()
-    if login is None:
-        raise ImproperlyConfigured("login protection is off (TOKENBUCKET['LOGIN'] is None or False): nothing to unlock")
-    parts = typed_parts(username, ip)
-    if not parts:
-        raise ValueError("give a username, an address, or both")
-    limit = login.config()
+    name, entries = _entries(username, ip)
+    assert login is not None
     done = []
-    for entry in login.keys:
-        if any(part not in parts for part in entry):
-            continue
-        key = key_of([parts[part] for part in entry])
+    for entry, key, typed in entries:
         digest = encode_key(key).digest
-        was_empty = limiter.get_value(limit.name, key) < 1
+        was_empty = limiter.get_value(name, key) < 1
         unblocked = False
-        if blocks_in_force(limit.name, [digest]).filter(key=digest).exists():
-            unblocked = overrides.delete(limit.name, digest) > 0
-        limiter.reset(limit.name, key)
+        if blocks_in_force(name, [digest]).filter(key=digest).exists():
+            unblocked = overrides.delete(name, digest) > 0
+        limiter.reset(name, key)
         if login.counts_lockouts:
             spec = login.lockouts_spec()
             limiter.reset(spec["name"], key, config=spec["config"])
-        typed = ", ".join(f"{part}={_shown(parts[part])}" for part in entry)
         done.append(Unlocked(entry, typed, unblocked, was_empty))
     return done
 

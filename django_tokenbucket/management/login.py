@@ -14,6 +14,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, OutputWrapper
 
+from .. import overrides
 from ..auth import unlock
 from ..auth.config import configured
 
@@ -55,7 +56,14 @@ class LoginCommands:
             if entry not in reached:
                 missing = ", ".join(f"--{part.replace('_', '-')}" for part in entry if part not in given)
                 self.stdout.write(f"Not reached: the KEYS entry {'+'.join(entry)} needs {missing} too.")
+        if any(unlocked.unblocked for unlocked in done):
+            self.stdout.write(f"Every process stops applying the removed blocks within {_max_age()} s.")
         if not done:
             raise CommandError(
                 f"unlock: no entry of TOKENBUCKET['LOGIN']['KEYS'] is made of {' and '.join(sorted(given))} alone"
             )
+
+
+def _max_age() -> str:
+    settings = overrides.active()
+    return "—" if settings is None else f"{settings.max_age:g}"
