@@ -491,3 +491,54 @@ def test_under_atomic_requests_a_limit_on_a_second_alias_keeps_the_failures(prot
         assert _drf_failures(monkeypatch, 4) == [400, 400, 400, 429]
         assert tokens(USERNAME) == 0
     assert checked() == 3
+
+
+# -- what an attacker sends ------------------------------------------------------------------
+
+
+def test_a_username_of_a_megabyte_or_of_control_characters_costs_a_bounded_key_and_shows_nowhere(protected, caplog):
+    caplog.set_level(logging.INFO, logger="django_tokenbucket")
+    huge = "v" * 1_000_000
+    for _ in range(4):
+        assert authenticate(post("198.51.100.9"), username=huge, password="x") is None
+        assert authenticate(post("198.51.100.8"), username="ev\x00il\u202e\n", password="x") is None
+    assert checked() == 6  # three of each, then refused
+    assert all(row.label.startswith(("username=… (value not stored)", "ip=")) for row in RateLimit.objects.all())
+    assert "vvvv" not in caplog.text and "ev\x00il" not in caplog.text
+
+
+@pytest.mark.parametrize("username", [["victim"], {"name": "victim"}, True, None])
+def test_a_username_that_is_no_text_is_refused_unchecked_and_answers_as_a_failure(protected, username):
+    """A project's JSON login may pass what the client sent as it is."""
+    response = Client(REMOTE_ADDR="203.0.113.7").post(
+        "/api/login/", json.dumps({"username": username, "password": "p"}), content_type="application/json"
+    )
+    assert response.status_code == 401  # the view's own answer to a failed login, not a 500 nor a 429
+    assert authenticate(post(), username=username, password="p") is None
+    assert checked() == 0
+    assert not RateLimit.objects.exists()
+
+
+def test_a_login_by_email_is_counted_by_it_and_credentials_naming_no_account_by_address(protected):
+    """allauth logs in by email with ``authenticate(request, email=..., password=...)``; a
+    custom backend may take a phone number: neither is refused for want of a username."""
+
+    class ByEmailOrPhone:
+        def authenticate(self, request, email=None, phone=None, password=None):
+            return None
+
+    import sys
+    import types
+
+    module = types.ModuleType("tests_login_by_email")
+    module.Backend = ByEmailOrPhone
+    sys.modules["tests_login_by_email"] = module
+    with override_settings(AUTHENTICATION_BACKENDS=[BACKEND, "tests_login_by_email.Backend"]):
+        for _ in range(3):
+            authenticate(post("198.51.100.1"), email=" Victim@Example.COM", password="x")
+        assert tokens(("username", "victim@example.com")) == 0
+        for _ in range(3):
+            authenticate(post(), phone="+15550100", password="x")
+        assert tokens(("ip", "203.0.113.7")) == 0
+        assert authenticate(post(), email="", password="x") is None  # an empty one: refused
+    del sys.modules["tests_login_by_email"]

@@ -92,3 +92,15 @@ def test_a_lockout_shows_in_overrides_and_top(protected):
     top = run("top", "login_failures")
     assert "username=… (value not stored)" in top
     assert "victim" not in listed + top
+
+
+def test_the_admin_ends_a_lockout_with_expire_now(protected, admin_client):
+    lock_out_victim()
+    from django_tokenbucket.models import LimitOverride
+
+    (row,) = LimitOverride.objects.filter(action="block", created_by="login protection")
+    response = admin_client.post(
+        "/admin/django_tokenbucket/limitoverride/", {"action": "expire_now", "_selected_action": [row.pk]}
+    )
+    assert response.status_code == 302
+    assert login() is not None  # the bucket was filled for the lockout's end

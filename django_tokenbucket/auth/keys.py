@@ -39,13 +39,25 @@ def http_request(request: Any) -> HttpRequest | None:
     return getattr(request, "_request", request)  # type: ignore[no-any-return]
 
 
+_ABSENT = object()
+
+
+def _identity(credentials: Mapping[str, Any]) -> object:
+    """The credential that names the account: ``username`` (as ``ModelBackend`` reads it),
+    else the user model's ``USERNAME_FIELD``, else ``email`` (allauth's login by email,
+    and most email backends); ``_ABSENT`` when the credentials have none of them."""
+    for name in ("username", get_user_model().USERNAME_FIELD, "email"):
+        value = credentials.get(name, _ABSENT)
+        if value is not None and value is not _ABSENT:
+            return value
+    present = any(name in credentials for name in ("username", get_user_model().USERNAME_FIELD, "email"))
+    return None if present else _ABSENT
+
+
 def credential_username(credentials: Mapping[str, Any]) -> str | None:
-    """The username of ``authenticate(**credentials)`` as ``ModelBackend`` reads it
-    (``username``, else the user model's ``USERNAME_FIELD``), normalised; None when
-    there is none, or only an empty one."""
-    value = credentials.get("username")
-    if value is None:
-        value = credentials.get(get_user_model().USERNAME_FIELD)
+    """The account the credentials name, normalised; None when there is none, or only an
+    empty one (or one that is no text: a list, a bool...)."""
+    value = _identity(credentials)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # as a form or serializer field reads a number
     if not isinstance(value, str):
@@ -73,15 +85,20 @@ def key_of(parts: Sequence[tuple[str, object]]) -> object:
 def login_keys(login: LoginSettings, request: Any, credentials: Mapping[str, Any]) -> list[object] | None:
     """Return the keys of a login attempt, one per entry of ``KEYS`` that applies.
 
-    Without a request (``authenticate(username=..., password=...)`` from code) only the
-    entries made of the username apply. None when an entry needs the username and the
-    credentials have none (or an empty one): a login that cannot be counted is refused.
+    The username is the credential that names the account (``username``, the user
+    model's ``USERNAME_FIELD`` or ``email``). Without a request (``authenticate(username=...,
+    password=...)`` from code) only the entries made of the username apply; without any
+    of those credentials, only the entries made without it. None when one of them is
+    given empty (or is no text): a login that cannot be counted is refused.
     """
     username = credential_username(credentials)
+    # Credentials that name the account some other way (a phone number a custom backend
+    # takes): the entries made with the username cannot apply, the others still count.
+    named = _identity(credentials) is not _ABSENT
     request = http_request(request)
     keys = []
     for entry in login.keys:
-        if request is None and entry != ("username",):
+        if (request is None and entry != ("username",)) or (not named and "username" in entry):
             continue
         parts = [_part(part, username, request) for part in entry]
         if any(part is None for part in parts):
