@@ -31,6 +31,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.db.models import Q
@@ -73,13 +74,15 @@ class Attempt:
     limit: LimitConfig
     keys: list[object]
     request: Any
+    #: The sender of ``login_locked_out``: ``LoginBackend``.
+    sender: object = None
     statuses: MultiStatus | None = None
     #: The keys whose token this attempt holds (an exempt or undecided key holds none).
     held: list[tuple[object, Status]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, login: LoginSettings, keys: list[object], request: Any) -> Attempt:
-        return cls(login, login.config(), keys, request)
+    def of(cls, login: LoginSettings, keys: list[object], request: Any, *, sender: object) -> Attempt:
+        return cls(login, login.config(), keys, request, sender)
 
     # -- taking --------------------------------------------------------------------
 
@@ -176,7 +179,7 @@ class Attempt:
         emptied = [(key, status) for key, status in self.held if _emptied(status)]
         self.held = []
         for key, status in emptied:
-            lock_out(self.login, self.limit, key, status, self.request)
+            lock_out(self.login, self.limit, key, status, self.request, self.sender)
 
     async def afailed(self) -> None:
         """``failed()`` for async code."""
@@ -225,14 +228,17 @@ def _has_username(key: object) -> bool:
 
 def blocks_in_force(name: str, digests: Iterable[str]) -> Any:
     """The block overrides of ``name`` in force for any of ``digests`` (or for every key)."""
-    from ..models import LimitOverride  # models load with the app registry
-
     now = _now()
-    return LimitOverride.objects.using(overrides.database_alias()).filter(
-        Q(expires_at__isnull=True) | Q(expires_at__gt=now),
-        name=name,
-        key__in=[*digests, ""],
-        action=overrides.BLOCK,
+    # Looked up, not imported: the package is imported before the app registry is ready.
+    return (
+        apps.get_model("django_tokenbucket", "LimitOverride")
+        .objects.using(overrides.database_alias())
+        .filter(
+            Q(expires_at__isnull=True) | Q(expires_at__gt=now),
+            name=name,
+            key__in=[*digests, ""],
+            action=overrides.BLOCK,
+        )
     )
 
 
@@ -273,7 +279,9 @@ def _lockouts(login: LoginSettings, key: object) -> int:
     return max(1, math.ceil(MOST_LOCKOUTS - status.value - 1e-6))
 
 
-def lock_out(login: LoginSettings, limit: LimitConfig, key: object, status: Status, request: Any) -> None:
+def lock_out(
+    login: LoginSettings, limit: LimitConfig, key: object, status: Status, request: Any, sender: object
+) -> None:
     """Lock ``key`` out: its failures have emptied its bucket. One log line and one
     ``login_locked_out`` signal; with COOLOFF, a block until the lockout ends."""
     if limit.shadow:
@@ -298,10 +306,8 @@ def lock_out(login: LoginSettings, limit: LimitConfig, key: object, status: Stat
         _how_long(until, retry_after, lockouts),
     )
     if signals.login_locked_out.receivers:
-        from .backend import LoginBackend
-
         signals.login_locked_out.send(
-            sender=LoginBackend,
+            sender=sender,
             name=limit.name,
             key=key,
             label=encoded.label,

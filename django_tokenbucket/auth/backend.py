@@ -39,9 +39,10 @@ from django.http import HttpRequest
 
 from . import config
 from .attempts import Attempt
+from .config import LoginSettings
 from .keys import credential_username, login_keys
 
-__all__ = ["LoginBackend", "handled_failure"]
+__all__ = ["LoginBackend", "active", "handled_failure"]
 
 
 @dataclass
@@ -126,7 +127,7 @@ class LoginBackend:
     def _attempt(self, request: HttpRequest | None, credentials: dict[str, Any]) -> Attempt | None:
         """The attempt to count, None when this call is not one (no password, protection
         off, no key applies); PermissionDenied when it cannot be counted (no username)."""
-        login = config.active()
+        login = active()
         if login is None or "password" not in credentials:
             return None
         keys = login_keys(login, request, credentials)
@@ -135,7 +136,7 @@ class LoginBackend:
             raise _stop(request, credentials)
         if not keys:
             return None
-        return Attempt.of(login, keys, request)
+        return Attempt.of(login, keys, request, sender=LoginBackend)
 
     # -- the backends after this one -------------------------------------------------
 
@@ -196,6 +197,12 @@ class LoginBackend:
     def _getters() -> list[Any]:
         backends = [load_backend(path) for path in settings.AUTHENTICATION_BACKENDS]
         return [b for b in backends if not isinstance(b, LoginBackend) and hasattr(b, "get_user")]
+
+
+def active() -> LoginSettings | None:
+    """``TOKENBUCKET["LOGIN"]`` when ``AUTHENTICATION_BACKENDS`` lists ``LoginBackend``
+    (protection is on), else None; ImproperlyConfigured when LOGIN is malformed."""
+    return config.configured() if config.listed(LoginBackend) else None
 
 
 #: The attribute that remembers, on a user this backend returned, the backend that

@@ -13,14 +13,13 @@ from .. import catalogue, overrides
 from ..backends import get_backend
 from ..settings import tokenbucket_settings
 from . import config
+from .backend import LoginBackend
 
 __all__ = ["check_login"]
 
 
 def _listed_before() -> list[str] | None:
     """The backends listed before LoginBackend; None when it is not listed."""
-    from .backend import LoginBackend
-
     before = []
     for path in getattr(settings, "AUTHENTICATION_BACKENDS", ()):
         try:

@@ -1,7 +1,7 @@
 """``TOKENBUCKET["LOGIN"]``: what login protection counts, and how lockouts end.
 
-Read once per value of ``TOKENBUCKET`` and ``AUTHENTICATION_BACKENDS`` (both re-read
-when either changes), so that a login pays a dict lookup for it.
+Read once per value of ``TOKENBUCKET`` (and ``AUTHENTICATION_BACKENDS`` once per value),
+re-read when either changes, so that a login pays a dict lookup for them.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ __all__ = [
     "DEFAULTS",
     "PARTS",
     "LoginSettings",
-    "active",
-    "backend_listed",
     "configured",
+    "listed",
     "parse",
     "seconds",
 ]
@@ -199,53 +198,45 @@ def parse(value: object) -> LoginSettings | None:
     return LoginSettings(limit, keys, cooloff, reset, memory, response)
 
 
-def backend_listed() -> bool:
-    """Whether ``AUTHENTICATION_BACKENDS`` lists ``LoginBackend`` (or a subclass's path)."""
-    return _state()[0]
-
-
 def configured() -> LoginSettings | None:
-    """Return the setting whether or not the backend is listed (None: LOGIN is None or
-    False); ImproperlyConfigured when it is malformed. For the operators' tools."""
-    return _state()[1]
-
-
-def active() -> LoginSettings | None:
-    """Return the setting in force when the backend is listed, None when protection is off;
-    ImproperlyConfigured when the setting is malformed."""
-    listed, parsed = _state()
-    return parsed if listed else None
-
-
-_cached: tuple[bool, LoginSettings | None] | None = None
-
-
-def _state() -> tuple[bool, LoginSettings | None]:
-    global _cached
-    cached = _cached
-    if cached is None:
-        from . import LoginBackend  # the package's, imported once the setting is read
-
-        listed = False
-        for path in getattr(settings, "AUTHENTICATION_BACKENDS", ()):
-            try:
-                backend = import_string(path)
-            except ImportError:
-                continue  # Django's own checks and authenticate() report it
-            if isinstance(backend, type) and issubclass(backend, LoginBackend):
-                listed = True
-                break
+    """Return ``TOKENBUCKET["LOGIN"]`` validated, whether or not the backend is listed (None:
+    LOGIN is None or False); ImproperlyConfigured when it is malformed."""
+    global _parsed
+    parsed = _parsed
+    if parsed is None:
         user = tokenbucket_settings.user_settings
         try:
-            parsed = parse(user.get("LOGIN", {}) if isinstance(user, Mapping) else {})
+            parsed = _parsed = (parse(user.get("LOGIN", {}) if isinstance(user, Mapping) else {}),)
         except ValueError as exc:
             raise ImproperlyConfigured(str(exc)) from None
-        cached = _cached = (listed, parsed)
-    return cached
+    return parsed[0]
+
+
+def listed(backend: type) -> bool:
+    """Whether ``AUTHENTICATION_BACKENDS`` lists ``backend`` (or a subclass of it)."""
+    found = _listed.get(backend)
+    if found is None:
+        found = False
+        for path in getattr(settings, "AUTHENTICATION_BACKENDS", ()):
+            try:
+                candidate = import_string(path)
+            except ImportError:
+                continue  # Django's own checks and authenticate() report it
+            if isinstance(candidate, type) and issubclass(candidate, backend):
+                found = True
+                break
+        _listed[backend] = found
+    return found
+
+
+_parsed: tuple[LoginSettings | None] | None = None
+_listed: dict[type, bool] = {}
 
 
 @receiver(setting_changed)
 def _settings_changed(*, setting: str, **kwargs: Any) -> None:
-    global _cached
-    if setting in ("TOKENBUCKET", "AUTHENTICATION_BACKENDS"):
-        _cached = None
+    global _parsed
+    if setting == "TOKENBUCKET":
+        _parsed = None
+    if setting == "AUTHENTICATION_BACKENDS":
+        _listed.clear()

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.contrib.auth import BACKEND_SESSION_KEY
+from django.conf import settings
+from django.contrib.auth import BACKEND_SESSION_KEY, load_backend
 from django.contrib.auth.signals import user_logged_in, user_login_failed
 from django.dispatch import receiver
+from django.utils.module_loading import import_string
 
 from . import config
 from .attempts import Attempt
-from .backend import CHECKED_BY, LoginBackend, handled_failure
+from .backend import CHECKED_BY, LoginBackend, active, handled_failure
 from .keys import login_keys
 
 __all__: list[str] = []
@@ -29,13 +31,13 @@ __all__: list[str] = []
 
 @receiver(user_login_failed, dispatch_uid="django_tokenbucket.auth.login_failed")
 def _login_failed(sender: Any, credentials: dict[str, Any], request: Any = None, **kwargs: Any) -> None:
-    login = config.active()
+    login = active()
     if login is None or handled_failure(request, credentials) or "password" not in credentials:
         return
     keys = login_keys(login, request, credentials)
     if not keys:
         return
-    attempt = Attempt.of(login, keys, request)
+    attempt = Attempt.of(login, keys, request, sender=LoginBackend)
     if attempt.reserve() is None:
         attempt.failed()
 
@@ -43,13 +45,11 @@ def _login_failed(sender: Any, credentials: dict[str, Any], request: Any = None,
 @receiver(user_logged_in, dispatch_uid="django_tokenbucket.auth.logged_in")
 def _logged_in(sender: Any, request: Any, user: Any, **kwargs: Any) -> None:
     backend_path = getattr(user, "backend", None)
-    if not isinstance(backend_path, str) or not config.backend_listed():
+    if not isinstance(backend_path, str) or not config.listed(LoginBackend):
         return
     path = getattr(user, CHECKED_BY, None)
     if path is None:
         try:
-            from django.utils.module_loading import import_string
-
             if not issubclass(import_string(backend_path), LoginBackend):
                 return
         except ImportError:
@@ -68,9 +68,6 @@ def _logged_in(sender: Any, request: Any, user: Any, **kwargs: Any) -> None:
 def _first_getter() -> str | None:
     """The first backend after ``LoginBackend`` that can find a session's user (``force_login``
     picks ``LoginBackend``, the first listed with ``get_user``)."""
-    from django.conf import settings
-    from django.contrib.auth import load_backend
-
     for path in settings.AUTHENTICATION_BACKENDS:
         backend = load_backend(path)
         if not isinstance(backend, LoginBackend) and hasattr(backend, "get_user"):

@@ -17,8 +17,8 @@ from django.http import HttpRequest, HttpResponseBase
 
 from ..exceptions import BackendUnavailable
 from ..http import _wants_json, rate_limited_response, unavailable_response
-from . import config
 from .attempts import refusal_of
+from .backend import active
 
 __all__ = ["login_response"]
 
@@ -29,7 +29,7 @@ def login_response(request: HttpRequest, response: HttpResponseBase) -> HttpResp
     code = response.status_code
     if refusal is None or (200 < code < 400):
         return response  # no refused login, or the view went on to something else (a redirect)
-    login = config.active()
+    login = active()
     if refusal.status is not None and login is not None and login.response is not None:
         hooked: HttpResponseBase = login.response(request, refusal.status)
         retry_after = refusal.status.retry_after_header
