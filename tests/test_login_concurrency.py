@@ -11,6 +11,7 @@ checks it ran.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -18,7 +19,8 @@ from django.contrib.auth import aauthenticate, authenticate, get_user_model
 from django.contrib.auth.signals import user_login_failed
 from django.test import RequestFactory, override_settings
 
-from django_tokenbucket import limiter
+from django_tokenbucket import limiter, overrides
+from django_tokenbucket.models import LimitOverride
 from django_tokenbucket.testing import frozen_clock
 
 from . import login_support
@@ -46,7 +48,7 @@ def slow_hashes(monkeypatch):
     monkeypatch.setenv(login_support.DELAY_ENV, "0.02")
 
 
-def guess(barrier, index: int, attempts: int, path: str) -> dict[str, int]:
+def guess(barrier, index: int, attempts: int, path: str, pace: float = 0.0) -> dict[str, int]:
     login_support.reset_counts()
     request = RequestFactory().post("/", REMOTE_ADDR=f"198.51.100.{index + 1}")
     check = authenticate if path == "sync" else async_to_sync(aauthenticate)
@@ -54,19 +56,22 @@ def guess(barrier, index: int, attempts: int, path: str) -> dict[str, int]:
     refused = 0
     for _ in range(attempts):
         refused += check(request, username="victim", password="wrong") is None
+        time.sleep(pace)
     return {"checked": login_support.checked(), "pid": os.getpid(), "failed": refused}
 
 
-def run(store, backends, login=True, path="sync"):
+def run(store, backends, login=True, path="sync", cooloff=None, deny_cache=True, pace=0.0):
     settings = {**BASE_SETTINGS, **store, "LIMITS": LIMITS}
+    if not deny_cache:
+        settings["DENY_CACHE"] = False
     if login:
-        settings["LOGIN"] = {"LIMIT": "login_failures", "KEYS": ["username", "ip"]}
+        settings["LOGIN"] = {"LIMIT": "login_failures", "KEYS": ["username", "ip"], "COOLOFF": cooloff}
     with override_settings(
         TOKENBUCKET=settings, AUTHENTICATION_BACKENDS=backends, PASSWORD_HASHERS=login_support.HASHERS
     ):
         with frozen_clock(1_700_000_000):
             get_user_model().objects.create_user("victim", password="right")
-            results = run_processes(guess, PROCESSES, ATTEMPTS, path)
+            results = run_processes(guess, PROCESSES, ATTEMPTS, path, pace)
             left = limiter.get_value("login_failures", ("username", "victim"))
     assert len({r["pid"] for r in results}) == PROCESSES
     assert all(r["failed"] == ATTEMPTS for r in results)
@@ -75,6 +80,7 @@ def run(store, backends, login=True, path="sync"):
         {
             "case": "login",
             "path": path,
+            "cooloff": cooloff,
             "backends": backends[0],
             "store": store["BACKEND"].rsplit(".", 1)[1],
             "checked": checked,
@@ -90,6 +96,20 @@ def test_eight_processes_never_get_more_passwords_checked_than_the_limit(store, 
     checked, left = run(store, ["django_tokenbucket.auth.LoginBackend", MODEL_BACKEND], path=path)
     assert checked == CAPACITY  # of 8 x ATTEMPTS guesses
     assert left == 0
+
+
+def test_with_a_cooloff_the_lockout_holds_in_every_process_at_once(store):
+    """The lockout fills the bucket for its end as soon as its block is written: the
+    processes that have not read the block find the bucket full, and must find the block
+    before checking a password. Without the deny cache, which would hide the full bucket
+    from a process that saw the key denied within the last second, and with 50 ms between
+    a process' guesses, so that guesses keep coming once the lockout has begun."""
+    overrides.invalidate()
+    backends = ["django_tokenbucket.auth.LoginBackend", MODEL_BACKEND]
+    checked, left = run(store, backends, cooloff=3600, deny_cache=False, pace=0.05)
+    assert checked == CAPACITY
+    assert left == CAPACITY  # full, for when the block ends
+    assert LimitOverride.objects.filter(action="block").count() == 1
 
 
 def test_control_without_protection_every_guess_is_checked(store):
