@@ -501,10 +501,10 @@ def test_a_username_of_a_megabyte_or_of_control_characters_costs_a_bounded_key_a
     huge = "v" * 1_000_000
     for _ in range(4):
         assert authenticate(post("198.51.100.9"), username=huge, password="x") is None
-        assert authenticate(post("198.51.100.8"), username="ev\x00il\u202e\n", password="x") is None
+        assert authenticate(post("198.51.100.8"), username="ev\x1bil\u202e\n", password="x") is None
     assert checked() == 6  # three of each, then refused
     assert all(row.label.startswith(("username=… (value not stored)", "ip=")) for row in RateLimit.objects.all())
-    assert "vvvv" not in caplog.text and "ev\x00il" not in caplog.text
+    assert "vvvv" not in caplog.text and "ev\x1bil" not in caplog.text
 
 
 @pytest.mark.parametrize("username", [["victim"], {"name": "victim"}, True, None])
