@@ -8,7 +8,8 @@ login limit, then checks the credentials with the backends listed after it, as
 ``authenticate()`` itself would: a success gives the tokens back, a failure keeps them.
 A call it refuses (a key locked out or empty) raises ``PermissionDenied``, which stops
 ``authenticate()`` before any backend runs a password hasher: it returns None as for a
-wrong password, and sends ``user_login_failed``.
+wrong password, and sends ``user_login_failed``. A failure raises it too, so that
+``authenticate()`` does not run the backends after this one a second time.
 
 Why it checks the credentials itself rather than return None and let Django go on:
 ``authenticate()`` tells no backend that a later one succeeded, and DRF's token view
