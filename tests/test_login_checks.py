@@ -102,3 +102,16 @@ def test_a_malformed_setting_meeting_a_login_names_the_problem():
 def test_login_off_is_silent():
     assert ids(None, LOGIN=None) == []
     assert ids(None, LOGIN=False) == []
+
+
+def test_the_lockouts_bucket_is_known_to_the_admin_and_the_command_of_every_process():
+    from django_tokenbucket import registry
+    from django_tokenbucket.auth.receivers import know_the_lockouts_limit
+
+    with override_settings(
+        TOKENBUCKET={**BASE_SETTINGS, "LIMITS": LIMITS, "LOGIN": {"COOLOFF": lambda n: 60 * n}},
+        AUTHENTICATION_BACKENDS=[BACKEND, MODEL_BACKEND],
+    ):
+        know_the_lockouts_limit()  # what django_tokenbucket's ready() runs
+        known = registry.known_limits(load_views=False)["login_failures.lockouts"]
+    assert (known.config.capacity_tokens, known.source) == (1000, "inline")

@@ -18,15 +18,17 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth import BACKEND_SESSION_KEY, load_backend
 from django.contrib.auth.signals import user_logged_in, user_login_failed
+from django.core.exceptions import ImproperlyConfigured
 from django.dispatch import receiver
 from django.utils.module_loading import import_string
 
+from ..api import limiter
 from . import config
 from .attempts import Attempt
 from .backend import CHECKED_BY, LoginBackend, active, handled_failure
 from .keys import login_keys
 
-__all__: list[str] = []
+__all__ = ["know_the_lockouts_limit"]
 
 
 @receiver(user_login_failed, dispatch_uid="django_tokenbucket.auth.login_failed")
@@ -73,3 +75,19 @@ def _first_getter() -> str | None:
         if not isinstance(backend, LoginBackend) and hasattr(backend, "get_user"):
             return str(path)
     return None
+
+
+def know_the_lockouts_limit() -> None:
+    """Make the bucket that counts lockouts (``<LIMIT>.lockouts``, COOLOFF a callable) known
+    to this process' admin, command and cleanup, as a limit of LIMITS is: it is decided
+    with an inline config, which a process learns when it first decides it."""
+    try:
+        login = config.configured()
+        if login is not None and login.counts_lockouts:
+            spec = login.lockouts_spec()
+            limiter.resolve(spec["name"], spec["config"])
+    except ImproperlyConfigured:
+        pass  # the system checks say what
+
+
+know_the_lockouts_limit()
