@@ -11,6 +11,7 @@ from django.core.management import CommandError, call_command
 from django.test import RequestFactory, override_settings
 
 from django_tokenbucket import analytics, overrides
+from django_tokenbucket.auth import unlock
 from django_tokenbucket.testing import frozen_clock
 
 from . import login_support
@@ -104,3 +105,18 @@ def test_the_admin_ends_a_lockout_with_expire_now(protected, admin_client):
     )
     assert response.status_code == 302
     assert login() is not None  # the bucket was filled for the lockout's end
+
+
+def test_a_lockout_shows_in_the_admin(protected, admin_client):
+    """With COOLOFF, in the overrides list; without, as the key's limited bucket."""
+    lock_out_victim()
+    blocks = admin_client.get("/admin/django_tokenbucket/limitoverride/").content.decode()
+    assert "username=… (value not stored)" in blocks and "Locked out by login protection" in blocks
+    unlock(username="victim")
+    with override_settings(
+        TOKENBUCKET={**BASE_SETTINGS, "LIMITS": LIMITS, "LOGIN": {**LOGIN, "COOLOFF": None}},
+    ):
+        lock_out_victim()
+        page = admin_client.get("/admin/django_tokenbucket/ratelimit/?name=login_failures&state=limited")
+    text = page.content.decode()
+    assert "username=… (value not stored)" in text and "victim" not in text
