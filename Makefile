@@ -16,7 +16,9 @@
 # flooding one exhausted key, then 100,000 rotating exhausted keys, with the deny cache on
 # and off, on the database backend (PostgreSQL) and on a private redis-server; store
 # operations counted on the servers, a ninth process's SELECT p99, denied requests through
-# views, item 7's fail-open figure. It prints issue 35's targets and rewrites its own section
+# views, item 7's fail-open figure, and issue 48's login phase (a locked-out account's wrong
+# passwords next to unprotected logins: µs, PBKDF2 hashes, store operations per login).
+# It prints issue 35's targets and rewrites its own section
 # of docs/benchmarks.md. PYTHON: a Python with the [redis,drf,postgres] extras, redis-server.
 # Knobs: BENCH_ARGS for peers.py, BENCH_HTTP_ARGS for http_stack.py, BENCH_FLOOD_ARGS for flood.py. See docs/benchmarks.md.
 # The probes of benchmarks/probes/ are no part of it: each runs by hand (see its --help).

@@ -264,5 +264,49 @@ W040 = Check(
     "(BACKEND 'django_redis.cache.RedisCache'); tests that count queries: docs/migrating.md#your-tests.",
 )
 
+# -- login protection (auth/checks.py) --------------------------------------------------
+
+_LOGIN_HINT = (
+    "For example TOKENBUCKET['LOGIN'] = {{'LIMIT': 'login_failures', 'KEYS': ['username', 'ip'], 'COOLOFF': None}}, "
+    "or None to turn login protection off (docs/login.md)."
+)
+E060 = Check("E060", "{error}.", _LOGIN_HINT)
+E061 = Check(
+    "E061",
+    "TOKENBUCKET['LOGIN']['LIMIT'] is {name!r}, which is not in TOKENBUCKET['LIMITS']: every login would fail.",
+    "Define the failed logins a key may have, e.g. TOKENBUCKET['LIMITS'] = {{{name!r}: '5/15m'}}.",
+)
+E062 = Check(
+    "E062",
+    "TOKENBUCKET['LOGIN']['COOLOFF'] is set, but overrides are off (TOKENBUCKET['OVERRIDES'] is False): a lockout "
+    "is a block override, and none could be written.",
+    "Turn overrides on (TOKENBUCKET['OVERRIDES'] = {{'MAX_AGE': 5.0}}), or set COOLOFF to None.",
+)
+E063 = Check(
+    "E063",
+    "TOKENBUCKET['LOGIN']['COOLOFF'] is a callable, and COOLOFF(1) {problem}.",
+    "Return the first lockout's length in seconds (a number) or as a timedelta: e.g. "
+    "lambda lockouts: [60, 600, 3600][min(lockouts, 3) - 1].",
+)
+W060 = Check(
+    "W060",
+    "AUTHENTICATION_BACKENDS lists {before} before django_tokenbucket.auth.LoginBackend: they check passwords "
+    "before login protection counts them, and a locked-out key still reaches them.",
+    "List django_tokenbucket.auth.LoginBackend first.",
+)
+W061 = Check(
+    "W061",
+    "TOKENBUCKET['LOGIN'] is set, but AUTHENTICATION_BACKENDS does not list django_tokenbucket.auth.LoginBackend: "
+    "no login is counted.",
+    "Add 'django_tokenbucket.auth.LoginBackend' first in AUTHENTICATION_BACKENDS, or remove TOKENBUCKET['LOGIN'].",
+)
+W062 = Check(
+    "W062",
+    "The login limit {name!r} is stored in database {alias!r}, which has ATOMIC_REQUESTS: a failed login whose "
+    "request rolls back (DRF rolls back every request it answers with an error) takes its failure back with it.",
+    "Store the login limit outside the requests' transactions: on Redis, or on a second alias of the same database "
+    "('backend' of the limit, a BACKENDS entry with OPTIONS {{'DATABASE': '<alias>'}}); docs/login.md#transactions.",
+)
+
 #: Every check, by code.
 CATALOGUE: dict[str, Check] = {value.code: value for value in list(globals().values()) if isinstance(value, Check)}

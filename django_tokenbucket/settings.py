@@ -70,6 +70,9 @@ DEFAULTS: dict[str, Any] = {
     # store once per FLUSH seconds per process (see django_tokenbucket.analytics): for
     # the admin's charts and `tokenbucket top/stats`. None (off) or {"FLUSH": 10, ...}.
     "ANALYTICS": None,
+    # Login protection (django_tokenbucket.auth, docs/login.md): in force while
+    # AUTHENTICATION_BACKENDS lists LoginBackend; {} is its defaults, None or False off.
+    "LOGIN": {},
 }
 
 

@@ -18,6 +18,8 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "rest_framework",
+    # DRF's obtain_auth_token, one of the login paths of tests/test_login.py.
+    "rest_framework.authtoken",
     "django_tokenbucket",
 ]
 ROOT_URLCONF = "tests.urls"
