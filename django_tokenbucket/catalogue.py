@@ -210,12 +210,18 @@ W021 = Check(
     "Set maxmemory-policy to 'noeviction' (a full Redis then fails calls, and FAIL_OPEN decides), or give the "
     "limits a Redis of their own.",
 )
-E029 = Check("E029", "{error}", "TIMEOUT is the seconds a whole rate-limit call on Redis may take, e.g. 0.25.")
+E029 = Check(
+    "E029",
+    "{error}",
+    "TIMEOUT is the seconds a whole rate-limit call on Redis may take: leave it out for the default (0.2), "
+    "give a number such as 0.5, or None for no deadline.",
+)
 W022 = Check(
     "W022",
-    "TOKENBUCKET's Redis TIMEOUT is {timeout} s, but CACHES[{alias!r}] has {problem}: a connection being made, "
+    "TOKENBUCKET's Redis TIMEOUT is {timeout}, but CACHES[{alias!r}] has {problem}: a connection being made, "
     "or a cluster's topology being read, is bounded by the socket timeouts alone, so a call can outlast TIMEOUT.",
-    "Set SOCKET_CONNECT_TIMEOUT and SOCKET_TIMEOUT in CACHES[{alias!r}]['OPTIONS'] to at most TIMEOUT "
+    "Set SOCKET_CONNECT_TIMEOUT and SOCKET_TIMEOUT in CACHES[{alias!r}]['OPTIONS'] to at most TIMEOUT, or "
+    "remove them: the backend's own connections then time out within TIMEOUT "
     "(docs/redis.md#one-deadline-per-call-timeout).",
 )
 

@@ -208,4 +208,13 @@ CACHES = {
         "KEY_PREFIX": REDIS_KEY_PREFIX,
         "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 10},
     },
+    # The same Redis and keys with django-redis' defaults, no socket timeouts: what a project
+    # that configures nothing has (the Redis backend then decides on a client of its own).
+    # The URL is spelled apart from "redis"'s: django-redis keeps one pool per URL, and
+    # would hand this cache that one, with its timeouts.
+    "redis-bare": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": f"redis://{REDIS_HOST}:{REDIS_PORT}?db={REDIS_DB}",
+        "KEY_PREFIX": REDIS_KEY_PREFIX,
+    },
 }
