@@ -288,6 +288,20 @@ def test_demo_shows_every_integration_and_stops_on_ctrl_c(demo: Demo) -> None:
     assert int(conversions[-1].headers["Retry-After"]) >= 1
     # A JSON endpoint's 429 is JSON even for a client that did not ask (curl: */*).
     assert conversions[-1].json()["retry_after"] == int(conversions[-1].headers["Retry-After"])
+    # The README's override from the admin's add form, on the key the view uses (issue 49):
+    # the client's address, typed as an operator reads it in the access log.
+    add = "/admin/django_tokenbucket/limitoverride/add/"
+    assert client.get(add).status == 200
+    made = client.post(
+        add,
+        {"name": "partner_api", "key_text": "ip=127.0.0.1", "key_form": "auto", "action": "exempt",
+         "rate": "", "capacity": "", "max_reserved": "", "duration": "1h", "expires_at_0": "", "expires_at_1": "",
+         "reason": "the README's demo"},
+    )
+    assert made.status == 302, made.text[-2000:]
+    listed = client.get("/admin/django_tokenbucket/limitoverride/")
+    assert "It reaches the bucket ip=127.0.0.1" in listed.text and "stored: requests have used it" in listed.text
+    assert client.get("/convert/?amount=1").status == 200  # exempt: the spent window no longer refuses
 
     # Expensive work: two jobs of 3,400 tokens on a budget of 6,000: the second waits
     # for its tokens, and the worker runs it when they exist, never before.
