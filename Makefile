@@ -16,13 +16,16 @@
 # flooding one exhausted key, then 100,000 rotating exhausted keys, with the deny cache on
 # and off, on the database backend (PostgreSQL) and on a private redis-server; store
 # operations counted on the servers, a ninth process's SELECT p99, denied requests through
-# views, item 7's fail-open figure. It prints issue 35's targets and rewrites its own section
+# views, item 7's fail-open figure, and issue 48's login phase (a locked-out account's wrong
+# passwords next to unprotected logins: µs, PBKDF2 hashes, store operations per login).
+# It prints issue 35's targets and rewrites its own section
 # of docs/benchmarks.md. PYTHON: a Python with the [redis,drf,postgres] extras, redis-server.
 # Knobs: BENCH_ARGS for peers.py, BENCH_HTTP_ARGS for http_stack.py, BENCH_FLOOD_ARGS for flood.py. See docs/benchmarks.md.
 # The probes of benchmarks/probes/ are no part of it: each runs by hand (see its --help).
-# `make bench-failover` (issue 34, about a minute a run) runs tests/test_redis_crash.py
+# `make bench-failover` (issues 34 and 46, about two minutes a run) runs tests/test_redis_crash.py
 # FAILOVER_RUNS times (3), which kills a Redis Cluster primary and a Sentinel master under
-# load from 4 processes (sync, then asyncio), and writes the figures to its own section of
+# load from 4 processes (sync, then asyncio; at the defaults, with docs/redis.md's socket
+# timeouts and with none), and writes the figures to its own section of
 # docs/benchmarks.md: failure window, failed calls' latency, healthy keys' p50/p99 before,
 # during and after. It needs the test extras and redis-server (PYTHON: a Python that has them).
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
@@ -16,7 +15,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
-from . import analytics, clock, deny_cache, hints, metrics, overrides, registry, signals
+from . import analytics, clock, deny_cache, hints, metrics, overrides, registry, signals, waits
 from .algorithms import MICRO, Decision
 from .backends import get_backend
 from .backends.base import BackendError, BaseBackend, Outcome, Request, made_request
@@ -333,6 +332,8 @@ class Limiter:
         nothing and raises RateLimited, whose ``retry_after`` says when the same call
         would wait no longer; ``max_reserved`` bounds the wait too. A count that no wait
         within ``timeout`` could cover raises ValueError. A shadow limit never waits.
+        A sleep that an exception interrupts (a signal handler: Celery's soft time
+        limit) gives the reserved tokens back.
         """
         overrides.refresh_if_due()
         limit, rule = self._acquiring(name, key, count, timeout, config)
@@ -342,7 +343,8 @@ class Limiter:
             status = self._decide_unsharded(limit, key, count, True, apply=True, throws=True, rule=rule)
         wait = _wait_for(limit, status)
         if wait:
-            time.sleep(wait)
+            # Interrupted (a signal handler raising), the reservation is given back.
+            waits.slept(wait, status, lambda _: self.refund(name, key, count, config))
         return status
 
     async def aacquire(
@@ -353,14 +355,18 @@ class Limiter:
         timeout: float | None = None,
         config: ConfigSpec | None = None,
     ) -> Status:
-        """``acquire()`` for async code: it awaits, never blocking the event loop."""
+        """``acquire()`` for async code: it awaits, never blocking the event loop.
+
+        Cancelled at any point (a client gone from an async view), it gives back what it
+        reserved, once (``django_tokenbucket.waits``).
+        """
         await overrides.arefresh_if_due()
         limit, rule = self._acquiring(name, key, count, timeout, config)
-        status = await self._adrive(self._one(name, key, count, True, limit, apply=True, throws=True, rule=rule))
-        wait = _wait_for(limit, status)
-        if wait:
-            await asyncio.sleep(wait)
-        return status
+        decide = self._adrive(self._one(name, key, count, True, limit, apply=True, throws=True, rule=rule))
+        # Cancelled anywhere (a client gone from an async view), what it reserved goes back.
+        return await waits.aacquired(
+            decide, lambda status: _wait_for(limit, status), lambda _: self.arefund(name, key, count, config)
+        )
 
     def _acquiring(
         self, name: str, key: object, count: int | float, timeout: float | None, config: ConfigSpec | None

@@ -14,6 +14,9 @@ from django.utils.translation import gettext_lazy as _
 READY_MODULES = (
     (None, "django_tokenbucket.checks"),
     (None, "django_tokenbucket.compat.ratelimit.checks"),
+    # Login protection's receivers of Django's authentication signals, and its checks.
+    (None, "django_tokenbucket.auth.receivers"),
+    (None, "django_tokenbucket.auth.checks"),
     ("rest_framework", "django_tokenbucket.throttling.checks"),
     ("celery", "django_tokenbucket.celery.checks"),
     ("celery", "django_tokenbucket.tasks"),

@@ -29,7 +29,8 @@ _BACKENDS_HINT = (
 
 @dataclass(frozen=True)
 class Check:
-    """One system check: ``code`` (``"E011"``: E for an error, W for a warning), and the
+    """One system check: ``code`` (``"E011"``: E for an error, W for a warning, I for
+    information), and the
     message and hint as ``str.format`` templates of the values it is raised with."""
 
     code: str
@@ -42,7 +43,7 @@ class Check:
 
     def __call__(self, obj: Any = None, **values: Any) -> checks.CheckMessage:
         """Return this check's message for ``values``, about ``obj``."""
-        level = checks.Error if self.code.startswith("E") else checks.Warning
+        level = {"E": checks.Error, "W": checks.Warning, "I": checks.Info}[self.code[0]]
         hint = None if self.hint is None else self.hint.format(**values)
         return level(self.message.format(**values), hint=hint, obj=obj, id=self.id)
 
@@ -140,12 +141,41 @@ E053 = Check(
     "For example TOKENBUCKET['ANALYTICS'] = {{'FLUSH': 10, 'TOP_KEYS': 20, 'MAX_KEYS': 1000}}, or None to turn "
     "analytics off (docs/settings.md#analytics).",
 )
+E054 = Check(
+    "E054",
+    "TOKENBUCKET['FOLD_KEY_ACCENTS'] must be None (decided by the user table's database), True or False, "
+    "not {value!r}.",
+)
 W002 = Check("W002", "TOKENBUCKET has unknown setting(s): {names}.", "Known settings: {known}.")
 W003 = Check(
     "W003",
     "TOKENBUCKET['IP_HEADER'] = {header!r} is ignored: it is honoured only on requests from a trusted proxy "
     "given by its address, and TRUSTED_PROXIES is {trusted!r}.",
     "Give TRUSTED_PROXIES as the CIDRs of the proxies that set the header, e.g. ['10.0.0.0/8'].",
+)
+W005 = Check(
+    "W005",
+    "{view} is rate-limited by key={key!r}, a header that clients write themselves: each request can name "
+    "a new address and get a fresh bucket.",
+    "Key it on the client's address, key='ip', and say which proxies are yours with "
+    "TOKENBUCKET['TRUSTED_PROXIES'] (and 'IP_HEADER' for an edge header such as 'CF-Connecting-IP'): "
+    "then the address is read only from what your proxies wrote (docs/security.md#forged-x-forwarded-for).",
+)
+
+# -- the keys of request data and the user table (a database check: check --database) ------
+
+I001 = Check(
+    "I001",
+    "Keys taken from request data (post:, get:, header:, username) are folded: {folding} ({reason}); "
+    "{column} {compares}.",
+)
+W004 = Check(
+    "W004",
+    "Keys taken from request data (post:, get:, header:, username) are folded: {folding} ({reason}), but "
+    "{column} has collation {collation}, which takes {first!r} and {second!r} for one name: they get two "
+    "buckets, so an attacker gets a per-account limit per spelling of the account's name.",
+    "Set TOKENBUCKET['FOLD_KEY_ACCENTS'] = True (it folds case too), or leave FOLD_KEY_CASE at True "
+    "(docs/settings.md#fold_key_accents).",
 )
 
 # -- the backends' options (each backend's check_options) --------------------------------
@@ -180,12 +210,18 @@ W021 = Check(
     "Set maxmemory-policy to 'noeviction' (a full Redis then fails calls, and FAIL_OPEN decides), or give the "
     "limits a Redis of their own.",
 )
-E029 = Check("E029", "{error}", "TIMEOUT is the seconds a whole rate-limit call on Redis may take, e.g. 0.25.")
+E029 = Check(
+    "E029",
+    "{error}",
+    "TIMEOUT is the seconds a whole rate-limit call on Redis may take: leave it out for the default (0.2), "
+    "give a number such as 0.5, or None for no deadline.",
+)
 W022 = Check(
     "W022",
-    "TOKENBUCKET's Redis TIMEOUT is {timeout} s, but CACHES[{alias!r}] has {problem}: a connection being made, "
+    "TOKENBUCKET's Redis TIMEOUT is {timeout}, but CACHES[{alias!r}] has {problem}: a connection being made, "
     "or a cluster's topology being read, is bounded by the socket timeouts alone, so a call can outlast TIMEOUT.",
-    "Set SOCKET_CONNECT_TIMEOUT and SOCKET_TIMEOUT in CACHES[{alias!r}]['OPTIONS'] to at most TIMEOUT "
+    "Set SOCKET_CONNECT_TIMEOUT and SOCKET_TIMEOUT in CACHES[{alias!r}]['OPTIONS'] to at most TIMEOUT, or "
+    "remove them: the backend's own connections then time out within TIMEOUT "
     "(docs/redis.md#one-deadline-per-call-timeout).",
 )
 
@@ -219,12 +255,63 @@ E040 = Check(
 )
 E041 = Check("E041", "{setting} must be a prefix length from 0 to {bits}, not {value!r}.")
 E042 = Check("E042", "RATELIMIT_EXCEPTION_CLASS = {value!r}: {error}")
+E043 = Check(
+    "E043",
+    "RATELIMIT_IP_META_KEY = {value!r} reads the {header} header, which clients write themselves, and "
+    "{missing}: every request could name a new address and get a fresh bucket.",
+    "{fix} django_tokenbucket then reads the address from what your proxies wrote "
+    "(docs/migrating.md#client-addresses).",
+)
 W040 = Check(
     "W040",
     "django_tokenbucket.compat.ratelimit keeps its limits in TOKENBUCKET's backend, not in the cache "
     "django-ratelimit would use: CACHES[{alias!r}] ({named}), a {backend}, cannot hold a limit atomically.",
     "Nothing to do if that is what you want. To keep them in that cache's Redis, make it a django-redis cache "
     "(BACKEND 'django_redis.cache.RedisCache'); tests that count queries: docs/migrating.md#your-tests.",
+)
+
+# -- login protection (auth/checks.py) --------------------------------------------------
+
+_LOGIN_HINT = (
+    "For example TOKENBUCKET['LOGIN'] = {{'LIMIT': 'login_failures', 'KEYS': ['username', 'ip'], 'COOLOFF': None}}, "
+    "or None to turn login protection off (docs/login.md)."
+)
+E060 = Check("E060", "{error}.", _LOGIN_HINT)
+E061 = Check(
+    "E061",
+    "TOKENBUCKET['LOGIN']['LIMIT'] is {name!r}, which is not in TOKENBUCKET['LIMITS']: every login would fail.",
+    "Define the failed logins a key may have, e.g. TOKENBUCKET['LIMITS'] = {{{name!r}: '5/15m'}}.",
+)
+E062 = Check(
+    "E062",
+    "TOKENBUCKET['LOGIN']['COOLOFF'] is set, but overrides are off (TOKENBUCKET['OVERRIDES'] is False): a lockout "
+    "is a block override, and none could be written.",
+    "Turn overrides on (TOKENBUCKET['OVERRIDES'] = {{'MAX_AGE': 5.0}}), or set COOLOFF to None.",
+)
+E063 = Check(
+    "E063",
+    "TOKENBUCKET['LOGIN']['COOLOFF'] is a callable, and COOLOFF(1) {problem}.",
+    "Return the first lockout's length in seconds (a number) or as a timedelta: e.g. "
+    "lambda lockouts: [60, 600, 3600][min(lockouts, 3) - 1].",
+)
+W060 = Check(
+    "W060",
+    "AUTHENTICATION_BACKENDS lists {before} before django_tokenbucket.auth.LoginBackend: they check passwords "
+    "before login protection counts them, and a locked-out key still reaches them.",
+    "List django_tokenbucket.auth.LoginBackend first.",
+)
+W061 = Check(
+    "W061",
+    "TOKENBUCKET['LOGIN'] is set, but AUTHENTICATION_BACKENDS does not list django_tokenbucket.auth.LoginBackend: "
+    "no login is counted.",
+    "Add 'django_tokenbucket.auth.LoginBackend' first in AUTHENTICATION_BACKENDS, or remove TOKENBUCKET['LOGIN'].",
+)
+W062 = Check(
+    "W062",
+    "The login limit {name!r} is stored in database {alias!r}, which has ATOMIC_REQUESTS: a failed login whose "
+    "request rolls back (DRF rolls back every request it answers with an error) takes its failure back with it.",
+    "Store the login limit outside the requests' transactions: on Redis, or on a second alias of the same database "
+    "('backend' of the limit, a BACKENDS entry with OPTIONS {{'DATABASE': '<alias>'}}); docs/login.md#transactions.",
 )
 
 #: Every check, by code.

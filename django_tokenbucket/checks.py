@@ -6,20 +6,25 @@ import math
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
+from django.db import DatabaseError, router
 from django.urls import get_resolver
 from django.utils.module_loading import import_string
 
 from . import analytics, catalogue, deny_cache, overrides
 from .backends import backend_class
+from .collation import column_comparison
 from .decorators import declared_limits, declared_stacks
 from .ip import ip_settings_problems
 from .limits import DEFAULT_BACKEND_ALIAS, parse_limit
 from .metrics import metrics_problem
+from .request_keys import address_keyed_views, key_folding, normalize_identity
 from .settings import DEFAULT_BACKEND, DEFAULTS, OptionsNotADict, parse_backends
 
-__all__ = ["check_backends", "check_settings"]
+__all__ = ["check_backends", "check_key_folding", "check_settings"]
+
 
 @checks.register()
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
@@ -46,7 +51,6 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
             if other != name:
                 errors.append(catalogue.E004(first=other, second=name))
 
-
     if not isinstance(user.get("FAIL_OPEN", False), bool):
         errors.append(catalogue.E006(value=user["FAIL_OPEN"]))
     if user.get("CLOCK", "store") not in ("store", "app"):
@@ -63,6 +67,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     for setting in ("FOLD_KEY_CASE", "COUNT_OPTIONS", "HEADERS"):
         if not isinstance(user.get(setting, DEFAULTS[setting]), bool):
             errors.append(catalogue.E016(setting=setting, value=user[setting]))
+    if user.get("FOLD_KEY_ACCENTS") not in (None, True, False):
+        errors.append(catalogue.E054(value=user["FOLD_KEY_ACCENTS"]))
     errors += _check_operations(user)
     secret = user.get("KEY_SECRET")
     if secret is not None and not (isinstance(secret, (str, bytes)) and len(secret) >= 16):
@@ -175,6 +181,81 @@ def check_declared_limits(app_configs: Any = None, **kwargs: Any) -> list[checks
         if len(stores) > 1:
             where = "; ".join(f"{alias!r}: {', '.join(map(repr, names))}" for alias, names in stores.items())
             messages.append(catalogue.E022(obj=view, view=view, where=where))
+    for view, specs in sorted(address_keyed_views().items()):
+        messages += [catalogue.W005(obj=view, view=view, key=spec) for spec in specs]
     return messages
 
 
+#: Spellings of one name that some database collation takes for one (case, accents,
+#: letters with a stroke, ligatures, characters it ignores, other scripts' digits):
+#: what the database check asks the user table's column about.
+SPELLING_PROBES = (
+    ("victim", "VICTIM"),
+    ("victim", "víctim"),
+    ("victim", "vìctim"),
+    ("victim", "vîctim"),
+    ("victim", "vïctim"),
+    ("victim", "VÍCTIM"),
+    ("victim", "vıctim"),
+    ("victim", "vic\u200btim"),
+    ("victim", "vic\u00adtim"),
+    ("strasse", "straße"),
+    ("rose", "roße"),
+    ("orsted", "ørsted"),
+    ("lukasz", "łukasz"),
+    ("dana", "đana"),
+    ("aeon", "æon"),
+    ("oeuvre", "œuvre"),
+    ("user1", "user\u0661"),
+)
+
+
+@checks.register(checks.Tags.database)
+def check_key_folding(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Say how keys of request data are folded, and warn when the user table's username
+    column takes two spellings for one name that the keys keep apart (``check --database``).
+
+    The folding in force is decided without a query (``request_keys.key_folding``); this
+    asks the database itself, about the column a login looks names up in.
+    """
+    user_model = get_user_model()
+    alias = router.db_for_read(user_model)
+    if not databases or alias not in databases:
+        return []
+    folding = key_folding()
+    field_column = getattr(user_model._meta.get_field(user_model.USERNAME_FIELD), "column", None)
+    column = f"{user_model._meta.db_table}.{field_column} on database {alias!r}"
+    comparison = column_comparison(alias, user_model._meta.db_table, field_column) if field_column else None
+    try:
+        equal = comparison.equal(SPELLING_PROBES) if comparison is not None else None
+    except DatabaseError:
+        equal = None
+    if comparison is None or equal is None:
+        compares = "could not be read (no table yet, or a database this check cannot ask)"
+        return _folding_info(folding, column, compares)
+    for (first, second), same in zip(SPELLING_PROBES, equal):
+        if same and normalize_identity(first) != normalize_identity(second):
+            return [
+                catalogue.W004(
+                    folding=folding,
+                    reason=folding.reason,
+                    column=column,
+                    collation=comparison.collation,
+                    first=first,
+                    second=second,
+                )
+            ]
+    compares = (
+        f"has collation {comparison.collation}: each pair of {len(SPELLING_PROBES)} spellings it was asked about "
+        f"({sum(equal)} of them one name to it) has one key"
+    )
+    return _folding_info(folding, column, compares)
+
+
+def _folding_info(folding: Any, column: str, compares: str) -> list[checks.CheckMessage]:
+    """I001, where there is something to say: accents are folded (MySQL/MariaDB, or the
+    setting). The default elsewhere (case folded, accents kept) would be a line on every
+    ``migrate`` of every project, saying nothing it needs to act on."""
+    if not folding.accents:
+        return []
+    return [catalogue.I001(folding=folding, reason=folding.reason, column=column, compares=compares)]

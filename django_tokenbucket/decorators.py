@@ -18,7 +18,7 @@ from .api import limiter
 from .exceptions import BackendUnavailable
 from .http import add_ratelimit_headers, rate_limited_response, unavailable_response
 from .limits import count_to_micro
-from .request_keys import KeySpec, validate_key_spec
+from .request_keys import KeySpec, note_view_key, validate_key_spec
 from .status import Status
 from .view_limits import (
     RateCallable,
@@ -185,6 +185,7 @@ def ratelimit(
 
     def limit_of(view: Any, below: tuple[ViewLimit, ...], options_free: bool) -> ViewLimit:
         """Return this decorator's limit on ``view``, registered for the system checks."""
+        note_view_key(_view_path(view), key)  # for W005: a key no client should choose
         shown_rate = rate if plans is None else getattr(plans, "__name__", "rate")
         limit_name = name or _default_name(view, below, shown_rate, period, methods, key)  # type: ignore[arg-type]
         if plans is not None:

@@ -7,27 +7,41 @@ account is one bucket. The keys themselves are encoded in ``keys``."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import unicodedata
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ImproperlyConfigured, ValidationError
+from django.core.signals import setting_changed
+from django.db import connections, router
+from django.dispatch import receiver
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
+from .collation import fold_accents
 from .ip import client_ip, ip_key, parse_ip
 from .keys import Redacted
 from .settings import tokenbucket_settings
 
 __all__ = [
+    "ACCENT_INSENSITIVE_VENDORS",
+    "ADDRESS_HEADERS",
     "MAX_IDENTITY_LENGTH",
+    "Folding",
     "KeySpec",
+    "address_header",
+    "address_keyed_views",
     "canonical_spec",
+    "header_name",
     "ip_key_from_text",
+    "key_folding",
     "key_from_text",
     "normalize_identity",
+    "note_view_key",
     "posted_field",
     "request_key",
     "user_pk_from_text",
@@ -52,18 +66,148 @@ _FIELD_KEYS = ("header", "get", "post")
 MAX_IDENTITY_LENGTH = 1024
 
 
-def normalize_identity(value: str) -> str:
-    """Return the one spelling of an identity a request sent: NFKC, stripped, case-folded.
+#: Database vendors whose collations compare accents equal by default: every default
+#: utf8mb4 collation of MySQL and MariaDB (``general_ci``, ``unicode_ci``, ``0900_ai_ci``,
+#: ``uca1400_ai_ci``) is accent-insensitive.
+ACCENT_INSENSITIVE_VENDORS = frozenset({"mysql"})
 
-    Django's login strips the username and NFKC-normalises it, and MySQL/MariaDB
-    collations ignore case, so ``" ＶＩＣＴＩＭ"`` logs in as ``victim``: every such
-    spelling must meet one bucket, or an attacker multiplies an account's limit by
-    rewriting the name. ``TOKENBUCKET["FOLD_KEY_CASE"] = False`` keeps case. Only the
-    first ``MAX_IDENTITY_LENGTH`` characters (after stripping) are read.
+
+@dataclass(frozen=True)
+class Folding:
+    """How keys taken from request data are folded: ``case``, ``accents`` (which implies
+    case), and why (for the system check and the docs)."""
+
+    case: bool
+    accents: bool
+    reason: str
+
+    def __str__(self) -> str:
+        if self.accents:
+            return "NFKC, case and accents"
+        return "NFKC and case" if self.case else "NFKC only"
+
+
+_folding: Folding | None = None
+
+
+def key_folding() -> Folding:
+    """Return the folding in force: ``FOLD_KEY_CASE`` and ``FOLD_KEY_ACCENTS``, the latter
+    decided, when None, by the database that holds the user model's table.
+
+    Decided from the connection's vendor, without a query (this runs on the event loop
+    too): MySQL and MariaDB compare accents equal under all their default collations. A
+    column with another collation (a PostgreSQL nondeterministic one, a ``_bin`` one) is
+    what the database check (``I001``/``W004``) reads and reports.
+    """
+    global _folding
+    folding = _folding
+    if folding is None:
+        case = bool(tokenbucket_settings.FOLD_KEY_CASE)
+        accents = tokenbucket_settings.FOLD_KEY_ACCENTS
+        if accents is not None:
+            reason = f"FOLD_KEY_ACCENTS = {accents!r}"
+        elif not case:
+            accents, reason = False, "FOLD_KEY_CASE = False"
+        else:
+            alias = router.db_for_read(get_user_model())
+            vendor = connections[alias].vendor
+            accents = vendor in ACCENT_INSENSITIVE_VENDORS
+            shown = {"mysql": "MySQL/MariaDB", "postgresql": "PostgreSQL", "sqlite": "SQLite"}.get(vendor, vendor)
+            reason = f"the user table is on {shown} database {alias!r}"
+        folding = _folding = Folding(case=case or bool(accents), accents=bool(accents), reason=reason)
+    return folding
+
+
+@receiver(setting_changed)
+def _forget_folding(*, setting: str, **kwargs: Any) -> None:
+    global _folding
+    if setting in ("TOKENBUCKET", "DATABASES", "DATABASE_ROUTERS", "AUTH_USER_MODEL"):
+        _folding = None
+
+
+def normalize_identity(value: str) -> str:
+    """Return the one spelling of an identity a request sent: the key of every spelling
+    that the user table's database takes for the same account.
+
+    NFKC and stripped, as Django's login makes a username; case-folded, as MySQL/MariaDB
+    collations ignore case, so ``" ＶＩＣＴＩＭ"`` logs in as ``victim``; and, where
+    the user table compares accents equal (MySQL, MariaDB, or ``FOLD_KEY_ACCENTS =
+    True``), accents and characters the collation ignores folded too, so that ``víctim``
+    is ``victim`` (``collation.fold_accents``). Otherwise an attacker multiplies an
+    account's limit by rewriting its name. ``key_folding()`` says which folding is in
+    force. Only the first ``MAX_IDENTITY_LENGTH`` characters (after stripping) are read.
+
+    The one function that makes these keys: the decorator, the compat layer, the admin's
+    search and the overrides typed by operators all call it.
     """
     # Stripped before it is cut, so that padding cannot push a real name past the cut.
     text = unicodedata.normalize("NFKC", value.strip()[:MAX_IDENTITY_LENGTH]).strip()
-    return text.casefold() if tokenbucket_settings.FOLD_KEY_CASE else text
+    folding = _folding or key_folding()
+    if folding.accents:
+        return fold_accents(text)
+    return text.casefold() if folding.case else text
+
+
+#: Request headers that carry a client's address, and that any client can write: a
+#: limit keyed on one of them directly gives each request the bucket it names.
+ADDRESS_HEADERS = frozenset(
+    {
+        "x-forwarded-for",
+        "x-real-ip",
+        "forwarded",
+        "forwarded-for",
+        "x-forwarded",
+        "cf-connecting-ip",
+        "true-client-ip",
+        "x-client-ip",
+        "x-cluster-client-ip",
+        "fastly-client-ip",
+        "x-originating-ip",
+        "x-remote-ip",
+        "x-remote-addr",
+        "x-envoy-external-address",
+        "x-azure-clientip",
+        "x-azure-socketip",
+        "x-appengine-user-ip",
+        "cloudfront-viewer-address",
+        "client-ip",
+    }
+)
+# Other spellings of the same: X-Original-Forwarded-For, X-My-Client-IP, X-Peer-Addr.
+_ADDRESS_LIKE = re.compile(r"(?:^|-)(?:ip|addr|address|forwarded|forwarded-for)$|client-?ip|real-?ip")
+
+
+def header_name(name: str) -> str:
+    """Return a header's name as compared here: lower case, ``_`` as ``-`` (``X_Real_IP`` -> ``x-real-ip``)."""
+    return name.strip().lower().replace("_", "-")
+
+
+def address_header(spec: object) -> str | None:
+    """Return the header a key spec reads when it is one that carries a client's address
+    (``"header:X-Forwarded-For"`` -> ``"x-forwarded-for"``), else None."""
+    if not isinstance(spec, str):
+        return None
+    kind, _, field = spec.partition(":")
+    if kind != "header" or not field:
+        return None
+    name = header_name(field)
+    return name if name in ADDRESS_HEADERS or _ADDRESS_LIKE.search(name) else None
+
+
+#: The views rate-limited by a key spec naming an address header (view -> specs), as the
+#: decorators saw them, for the system check W005. Bounded by the code's decorators.
+_address_keyed_views: dict[str, set[str]] = {}
+
+
+def note_view_key(view: str, spec: object) -> None:
+    """Record that ``view`` is rate-limited by ``spec`` (when it reads an address header)."""
+    if address_header(spec) is not None:
+        _address_keyed_views.setdefault(view, set()).add(str(spec))
+
+
+def address_keyed_views() -> dict[str, tuple[str, ...]]:
+    """Return the views rate-limited by a client-written address header, with the specs."""
+    return {view: tuple(sorted(specs)) for view, specs in _address_keyed_views.items()}
 
 
 def canonical_spec(spec: str) -> str:
@@ -75,7 +219,7 @@ def canonical_spec(spec: str) -> str:
     either spelling. Query and form field names are case-sensitive, and stay as written.
     """
     if spec[:7].lower() == "header:":
-        return "header:" + spec[7:].lower()
+        return "header:" + header_name(spec[7:])
     return spec
 
 

@@ -41,6 +41,9 @@ DEFAULTS: dict[str, Any] = {
     # Keys from request data (post:, get:, header:, username) are NFKC-normalised and
     # stripped; also case-folded unless this is False (case-sensitive identifiers).
     "FOLD_KEY_CASE": True,
+    # ...and accent-folded (víctim is victim): None decides by the database of the user
+    # table (MySQL/MariaDB compare accents equal), True or False says so.
+    "FOLD_KEY_ACCENTS": None,
     # CORS preflights (OPTIONS) are not counted by the decorator and the throttles.
     "COUNT_OPTIONS": False,
     # The secret of the HMAC that stored key digests use; None derives one from SECRET_KEY.
@@ -67,6 +70,9 @@ DEFAULTS: dict[str, Any] = {
     # store once per FLUSH seconds per process (see django_tokenbucket.analytics): for
     # the admin's charts and `tokenbucket top/stats`. None (off) or {"FLUSH": 10, ...}.
     "ANALYTICS": None,
+    # Login protection (django_tokenbucket.auth, docs/login.md): in force while
+    # AUTHENTICATION_BACKENDS lists LoginBackend; {} is its defaults, None or False off.
+    "LOGIN": {},
 }
 
 

@@ -6,7 +6,7 @@ request path: keep them cheap (increment a counter, don't do I/O).
 
 from django.dispatch import Signal
 
-__all__ = ["rate_limit_allowed", "rate_limit_backend_error", "rate_limit_denied"]
+__all__ = ["login_locked_out", "rate_limit_allowed", "rate_limit_backend_error", "rate_limit_denied"]
 
 #: A call was allowed.
 rate_limit_allowed = Signal()
@@ -22,3 +22,14 @@ rate_limit_denied = Signal()
 #: the call all the same: its answer was lost after the request was sent; count these
 #: as spent tokens).
 rate_limit_backend_error = Signal()
+
+#: Login protection (``django_tokenbucket.auth``) locked a key out: sent once per lockout,
+#: when the failed login that empties the key's bucket is known to have failed, never
+#: for the attempts refused afterwards. Arguments: ``name`` (the limit), ``key`` (the
+#: bucket's key; a username in it is ``Redacted``), ``label`` (the key as the admin
+#: shows it: never a username in clear), ``digest`` (the stored key digest), ``request``
+#: (the login's request, or None), ``until`` (a datetime: when the lockout ends; None
+#: when the bucket alone decides and ``retry_after`` says when it admits a login again),
+#: ``retry_after`` (seconds) and ``lockouts`` (how many lockouts this key had within
+#: ``LOGIN["LOCKOUT_MEMORY"]``, this one included; None unless ``COOLOFF`` is a callable).
+login_locked_out = Signal()

@@ -8,10 +8,11 @@ import os
 import time
 
 from celery import shared_task
-from celery.signals import task_postrun, task_prerun
+from celery.signals import task_failure, task_postrun, task_prerun, task_retry, task_success
 from django.db import connection
 
-from django_tokenbucket.celery import RateLimitedTask, current_reservation
+from django_tokenbucket import limiter
+from django_tokenbucket.celery import RESERVATION_HEADER, RateLimitedTask, current_reservation
 
 EFFECTS = "tbtest_celery_effect"
 DELIVERIES = "tbtest_celery_delivery"
@@ -24,6 +25,14 @@ TABLES = {
     DELIVERIES: "reservation VARCHAR(64), at DOUBLE PRECISION, pid INTEGER",
     RUNS: "tag VARCHAR(100), task_id VARCHAR(64), started DOUBLE PRECISION, pid INTEGER, held VARCHAR(32)",
 }
+#: What Celery's signals said about tests.limited_retry (and run_reservation, which must
+#: stay silent about it): the task's name as the signal gave it, the delivery's id and
+#: retries, and the reservation a delivery is the run of (its mark), if any.
+SIGNALS = "tbtest_celery_signal"
+TABLES[SIGNALS] = (
+    "task VARCHAR(100), task_id VARCHAR(64), event VARCHAR(16), retries INTEGER, reservation VARCHAR(64), "
+    "at DOUBLE PRECISION"
+)
 #: The global limit of the RateLimitedTask tests (in tests/settings.py's LIMITS).
 TASKS_LIMIT = "celery_tasks"
 
@@ -79,7 +88,9 @@ def _record_run(tag: str, task_id: str | None, started: float, held: str) -> Non
     acks_late=True,
     reject_on_worker_lost=True,
 )
-def limited_effect(self, tag: str, *, tenant: str | None = "global", count: float = 1, refund: float | None = None) -> str:
+def limited_effect(
+    self, tag: str, *, tenant: str | None = "global", count: float = 1, refund: float | None = None
+) -> str:
     """A task under one global limit: records its run, with the id it was delivered under."""
     started = time.time()
     held = current_reservation()
@@ -87,6 +98,67 @@ def limited_effect(self, tag: str, *, tenant: str | None = "global", count: floa
     if refund:
         held.refund(refund)
     return tag
+
+
+@shared_task(
+    bind=True,
+    base=RateLimitedTask,
+    name="tests.limited_retry",
+    tokenbucket_limit=TASKS_LIMIT,
+    tokenbucket_key=lambda tag, **kwargs: kwargs["tenant"],
+    max_retries=3,
+)
+def limited_retry(self, tag: str, *, tenant: str, retries: int = 0, debt: float = 0) -> str:
+    """Records each run with its retries, and retries until it has retried ``retries``
+    times, first putting the bucket ``debt`` tokens in debt (so that the retry is short of
+    tokens and deferred in turn). Not ``acks_late``: its runs are outside a transaction,
+    so the debt holds whatever the run does next."""
+    _record_run(tag, self.request.id, time.time(), f"{type(current_reservation()).__name__} {self.request.retries}")
+    if self.request.retries < retries:
+        if debt:
+            limiter.limit(TASKS_LIMIT, tenant, count=debt, reserve=True)
+        raise self.retry(countdown=0)
+    return tag
+
+
+def _record_signal(task, event: str) -> None:
+    if task is None or task.request.is_eager:
+        return
+    if task.name not in ("tests.limited_retry", "django_tokenbucket.run_reservation"):
+        return
+    request = task.request
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {SIGNALS} (task, task_id, event, retries, reservation, at) VALUES (%s, %s, %s, %s, %s, %s)",
+            [
+                task.name,
+                request.id,
+                event,
+                request.retries or 0,
+                (request.headers or {}).get(RESERVATION_HEADER),
+                time.time(),
+            ],
+        )
+
+
+@task_prerun.connect
+def _prerun_signal(sender=None, task=None, **kwargs):
+    _record_signal(task, "prerun")
+
+
+@task_success.connect
+def _success_signal(sender=None, **kwargs):
+    _record_signal(sender, "success")
+
+
+@task_failure.connect
+def _failure_signal(sender=None, **kwargs):
+    _record_signal(sender, "failure")
+
+
+@task_retry.connect
+def _retry_signal(sender=None, **kwargs):
+    _record_signal(sender, "retry")
 
 
 @shared_task(name="tests.plain_effect")
@@ -125,5 +197,7 @@ def _count_limited_delivery(sender=None, task_id=None, task=None, args=None, **k
     # Deliveries of the dying test's message, before anything of the task runs.
     if task is None or task.name != "tests.limited_effect" or task.request.is_eager:
         return
+    if (task.request.headers or {}).get(RESERVATION_HEADER):
+        return  # the deferred run, not a delivery of the message that was deferred
     if (args or [""])[0].startswith("die-after-defer"):
         _record_run(args[0], task_id, time.time(), "delivered")

@@ -377,3 +377,80 @@ class LocalSentinel:
     def __exit__(self, *exc_info) -> None:
         self.stop()
         self._tmp.cleanup()
+
+
+class SilentHost:
+    """A loopback address where a connection attempt is never answered, as with a host that
+    is down or cut off (its SYNs go unanswered, the client waits out its connect timeout).
+
+    A real listening socket whose accept queue is full: Linux then drops the SYNs of
+    further connections (``tcp_abort_on_overflow`` 0, its default), so a connect hangs
+    rather than being refused. Nothing is ever accepted.
+    """
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(0)
+        self.port = self.listener.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        # A backlog of 0 holds one connection: this one fills it.
+        self.filler = socket.create_connection(("127.0.0.1", self.port), timeout=1)
+        probe = socket.socket()
+        probe.settimeout(0.2)
+        try:
+            probe.connect(("127.0.0.1", self.port))
+        except TimeoutError:
+            pass  # as intended: the next connect is not answered
+        else:
+            self.close()
+            raise RuntimeError("a connection to a full accept queue was answered: SYNs are not dropped here")
+        finally:
+            probe.close()
+
+    def close(self) -> None:
+        self.filler.close()
+        self.listener.close()
+
+    def __enter__(self) -> SilentHost:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def once_answered(call, within: float = 3.0):
+    """``call()`` until it does not fail with a store failure, and its result.
+
+    Calls are bounded by default and every node has a breaker: a server that was stopped
+    or frozen and is back is found by the breaker's next probe, within its back-off (at
+    most 1 s), and the calls before that fail at once.
+    """
+    from django_tokenbucket import BackendUnavailable
+    from django_tokenbucket.backends.base import BackendError
+
+    ends = time.monotonic() + within
+    while True:
+        try:
+            return call()
+        except (BackendUnavailable, BackendError):
+            if time.monotonic() > ends:
+                raise
+            time.sleep(0.01)
+
+
+async def once_answered_async(call, within: float = 3.0):
+    """``once_answered`` for a coroutine function."""
+    import asyncio
+
+    from django_tokenbucket import BackendUnavailable
+    from django_tokenbucket.backends.base import BackendError
+
+    ends = time.monotonic() + within
+    while True:
+        try:
+            return await call()
+        except (BackendUnavailable, BackendError):
+            if time.monotonic() > ends:
+                raise
+            await asyncio.sleep(0.01)

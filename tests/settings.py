@@ -18,6 +18,8 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "rest_framework",
+    # DRF's obtain_auth_token, one of the login paths of tests/test_login.py.
+    "rest_framework.authtoken",
     "django_tokenbucket",
 ]
 ROOT_URLCONF = "tests.urls"
@@ -205,5 +207,14 @@ CACHES = {
         "LOCATION": f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}",
         "KEY_PREFIX": REDIS_KEY_PREFIX,
         "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 10},
+    },
+    # The same Redis and keys with django-redis' defaults, no socket timeouts: what a project
+    # that configures nothing has (the Redis backend then decides on a client of its own).
+    # The URL is spelled apart from "redis"'s: django-redis keeps one pool per URL, and
+    # would hand this cache that one, with its timeouts.
+    "redis-bare": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": f"redis://{REDIS_HOST}:{REDIS_PORT}?db={REDIS_DB}",
+        "KEY_PREFIX": REDIS_KEY_PREFIX,
     },
 }

@@ -9,21 +9,24 @@ longer.
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 
 import pytest
 from asgiref.sync import async_to_sync
-from django.db import connections
+from django.db import connections, transaction
 from django.test import override_settings
 
 from django_tokenbucket import RateLimited, limiter
+from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
 
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
 # The conformance suite's stores: every backend, and on PostgreSQL its portable path too.
 from .test_conformance import BACKENDS, store_overrides
+from .test_faults import redis_behind_proxy, stored_state
 
 #: A hundred tokens a second: a token every 10 ms.
 FAST = {"rate": 100, "period": 1}
@@ -112,7 +115,10 @@ def test_a_shadow_limit_never_waits(acquire, clock):
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        ({"count": 106, "timeout": 0.05}, r"rate limit 'acquire-fast': count 106 cannot be acquired within timeout 0.05"),
+        (
+            {"count": 106, "timeout": 0.05},
+            r"rate limit 'acquire-fast': count 106 cannot be acquired within timeout 0.05",
+        ),
         ({"count": 1, "timeout": -1}, r"rate limit 'acquire-fast': timeout must not be negative"),
         ({"count": 1, "timeout": "soon"}, r"rate limit 'acquire-fast': timeout must be a number"),
         ({"count": 1, "timeout": True}, r"rate limit 'acquire-fast': timeout must be a number"),
@@ -165,3 +171,169 @@ def test_async_acquirers_share_the_loop_and_are_served_in_order(backend, clock):
     _, elapsed = timed(async_to_sync(main))
     assert finished == pytest.approx([0.1, 0.2, 0.3, 0.4])
     assert 0.4 <= elapsed < 0.8
+
+
+# -- a wait given up takes nothing (issue 47, item 7) ---------------------------------------
+#
+# Django cancels an async view whose client disconnects; asyncio.timeout cancels what it
+# wraps; a Celery soft time limit raises inside a sleeping worker. The tokens reserved for
+# that wait are never used: they must go back, whether the cancellation lands in the sleep
+# or while the store call that reserved them is under way (its reply unseen).
+
+#: A token a minute, none to spare: a reservation waits 60 s, and the clock is pinned, so
+#: the bucket's value says exactly what was taken and given back.
+SLOW = {"rate": 1, "period": 60, "capacity": 1}
+
+
+async def _reserved(expected: float, deadline: float = 10.0) -> None:
+    """Return once the bucket shows the reservation (the waiter is asleep)."""
+    give_up = time.monotonic() + deadline
+    while await limiter.aget_value("acquire-cancelled", config=SLOW) != expected:
+        assert time.monotonic() < give_up, "the reservation never showed"
+        await asyncio.sleep(0.01)
+
+
+async def _cancelled(task: asyncio.Task, deadline: float = 10.0) -> None:
+    """Wait for ``task`` to end and check that it ended cancelled."""
+    await asyncio.wait({task}, timeout=deadline)
+    if not task.done():
+        task.cancel()  # what the old code did: it slept on, cancellation swallowed
+        pytest.fail("the cancelled aacquire did not end")
+    assert task.cancelled()
+
+
+def test_a_wait_cancelled_in_its_sleep_takes_nothing(backend, clock):
+    limiter.limit("acquire-cancelled", config=SLOW)  # drained: each acquire waits 60 s
+
+    async def main() -> list[float]:
+        values = []
+        for _ in range(3):  # the attack's figure: 3 cancellations left -2.91 tokens
+            before = await limiter.aget_value("acquire-cancelled", config=SLOW)
+            task = asyncio.create_task(limiter.aacquire("acquire-cancelled", timeout=600, config=SLOW))
+            await _reserved(before - 1)
+            task.cancel()
+            await _cancelled(task)
+            values.append(await limiter.aget_value("acquire-cancelled", config=SLOW))
+        return values
+
+    assert async_to_sync(main)() == [0, 0, 0]
+
+
+def test_a_wait_cut_by_asyncio_timeout_takes_nothing(backend, clock):
+    limiter.limit("acquire-cancelled", config=SLOW)
+
+    async def main() -> float:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await limiter.aacquire("acquire-cancelled", timeout=120, config=SLOW)
+        return await limiter.aget_value("acquire-cancelled", config=SLOW)
+
+    assert async_to_sync(main)() == 0
+
+
+class Interrupted(Exception):
+    """Raised by a signal handler inside a sleeping acquire, as Celery's soft time limit is."""
+
+
+def test_a_sync_wait_interrupted_by_a_signal_takes_nothing(backend, clock):
+    limiter.limit("acquire-cancelled", config=SLOW)
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Interrupted):
+            limiter.acquire("acquire-cancelled", timeout=120, config=SLOW)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert limiter.get_value("acquire-cancelled", config=SLOW) == 0
+
+
+@pytest.fixture(params=sorted(name for name in BACKENDS if name.startswith("database")))
+def database_backend(request, transactional_db):
+    with override_settings(TOKENBUCKET={**BASE_SETTINGS, **BACKENDS[request.param]}):
+        yield request.param
+
+
+@pytest.mark.parametrize("cancellations", [1, 2])
+def test_a_wait_cancelled_mid_call_on_the_database_takes_nothing(database_backend, cancellations):
+    # Another transaction holds the bucket's row (on SQLite, the database's write lock):
+    # the store call that reserves waits for it, and is cancelled meanwhile. Released,
+    # the call reserves and commits; the cancelled waiter never saw its reply. A second
+    # cancellation while the first is being handled must not give the tokens back twice.
+    with frozen_clock(1_700_000_000.0):
+        limiter.limit("acquire-cancelled", config=SLOW)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_the_row() -> None:
+        try:
+            with transaction.atomic():
+                list(RateLimit.objects.select_for_update().filter(name="acquire-cancelled"))
+                holding.set()
+                release.wait(20)
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=hold_the_row)
+    holder.start()
+    assert holding.wait(10)
+
+    async def main() -> float:
+        task = asyncio.create_task(limiter.aacquire("acquire-cancelled", timeout=120, config=SLOW))
+        await asyncio.sleep(0.3)  # the decision waits for the row
+        for _ in range(cancellations):
+            task.cancel()
+            await asyncio.sleep(0.05)
+        release.set()
+        await _cancelled(task)
+        # After a second cancellation the give-back may still be under way: wait for it,
+        # then long enough for a second one to show.
+        give_up = time.monotonic() + 10
+        while await limiter.aget_value("acquire-cancelled", config=SLOW) < 0 and time.monotonic() < give_up:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        return await limiter.aget_value("acquire-cancelled", config=SLOW)
+
+    try:
+        with frozen_clock(1_700_000_000.0):
+            assert async_to_sync(main)() == 0
+    finally:
+        release.set()
+        holder.join(20)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("timeout", [None, 5.0], ids=["redis", "redis-timeout"])
+@pytest.mark.parametrize("cancellations", [1, 2])
+def test_a_wait_cancelled_mid_call_on_redis_takes_nothing(transactional_db, timeout, cancellations):
+    # Every reply comes 0.5 s late through the proxy: once Redis holds the reservation
+    # (read directly), the waiter is cancelled before it reads that it was made.
+    options = {"OPTIONS": {"CACHE": "proxied", **({"TIMEOUT": timeout} if timeout else {})}}
+    socket_timeouts = {"SOCKET_CONNECT_TIMEOUT": 5, "SOCKET_TIMEOUT": 5}
+    with redis_behind_proxy(cache_options=socket_timeouts, **options) as proxy, frozen_clock(1_700_000_000.0):
+
+        async def main() -> float:
+            await limiter.alimit("acquire-cancelled", config=SLOW)
+            proxy.latency = 0.5
+            task = asyncio.create_task(limiter.aacquire("acquire-cancelled", timeout=120, config=SLOW))
+            drained = stored_state("redis")
+            give_up = time.monotonic() + 10
+            while stored_state("redis") == drained:  # the script has not run yet
+                assert time.monotonic() < give_up, "the script never ran"
+                await asyncio.sleep(0.005)
+            assert not task.done()  # its reply is on its way
+            for _ in range(cancellations):
+                task.cancel()
+                await asyncio.sleep(0.05)
+            await _cancelled(task)
+            proxy.latency = 0.0
+            give_up = time.monotonic() + 10
+            while await limiter.aget_value("acquire-cancelled", config=SLOW) < 0 and time.monotonic() < give_up:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            return await limiter.aget_value("acquire-cancelled", config=SLOW)
+
+        assert async_to_sync(main)() == 0

@@ -14,7 +14,8 @@ from django_tokenbucket.catalogue import CATALOGUE, Check
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "django_tokenbucket"
-DOCUMENTED_ROW = re.compile(r"^\| `([EW]\d{3})` \| (error|warning) \|", re.M)
+DOCUMENTED_ROW = re.compile(r"^\| `([EWI]\d{3})` \| (error|warning|info) \|", re.M)
+LEVELS = {"E": ("error", checks.Error), "W": ("warning", checks.Warning), "I": ("info", checks.Info)}
 
 
 def documented_checks() -> dict[str, str]:
@@ -26,7 +27,7 @@ def test_every_check_is_documented_and_every_documented_check_exists():
     documented = documented_checks()
     assert sorted(documented) == sorted(CATALOGUE)
     for code, level in documented.items():
-        assert level == ("error" if code.startswith("E") else "warning"), code
+        assert level == LEVELS[code[0]][0], code
 
 
 def test_no_check_id_is_written_outside_the_catalogue():
@@ -36,7 +37,7 @@ def test_no_check_id_is_written_outside_the_catalogue():
         if path.name != "catalogue.py"
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
         # A check's id as a keyword argument (``Error(..., id="...")``), not an HTML id.
-        if re.search(r"django_tokenbucket\.[EW]\d{3}|(?:^|[(,])\s*id=\"", line)
+        if re.search(r"django_tokenbucket\.[EWI]\d{3}|(?:^|[(,])\s*id=\"", line)
     ]
     assert inline == []
 
@@ -47,7 +48,7 @@ def test_each_entry_makes_its_message_with_its_id_and_level(code):
     fields = set(re.findall(r"\{(\w+)", check.message + (check.hint or "")))
     message = check(obj="where", **dict.fromkeys(fields, "VALUE"))
     assert message.id == f"django_tokenbucket.{code}" and message.obj == "where"
-    assert isinstance(message, checks.Error if code.startswith("E") else checks.Warning)
+    assert type(message) is LEVELS[code[0]][1]
     if fields:
         assert "VALUE" in message.msg + (message.hint or "")
 

@@ -4,31 +4,36 @@ In this process (eager runs, direct calls, the checks) and with real workers on 
 broker: 4 prefork workers hold 100 tasks to 20 a second at every instant, each run once,
 without blocking a plain task queued behind them; a pool process that dies between
 deferring a task and acknowledging its message neither loses nor duplicates it; the same
-on RabbitMQ with the tokens in Redis.
+on RabbitMQ with the tokens in Redis. A deferred run is a delivery of the task itself
+(its name in logs and signals), a retry is a delivery of its own, deferred in turn (issue
+47 item 8, issue 49 item 6), and a refusal is retried within max_retries, never forever.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import pytest
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Retry
 from django.db import connection
+from django.test import override_settings
 
 pytest.importorskip("celery")
 
-from django_tokenbucket import limiter
-from django_tokenbucket.celery import RateLimitedTask, current_reservation
+from django_tokenbucket import RateLimited, limiter
+from django_tokenbucket.celery import RateLimitedTask, current_reservation, run_reservation_work
 from django_tokenbucket.celery.checks import check_rate_limited_tasks
 from django_tokenbucket.celery.signatures import load_signature
 from django_tokenbucket.celery.task import deferral_id
 from django_tokenbucket.models import RateLimit, Reservation
+from django_tokenbucket.tasks import run_reservation
 from django_tokenbucket.testing import frozen_clock
 
 from .celery_app import QUEUE, app
-from .celery_tasks import RUNS, TASKS_LIMIT, limited_effect, plain_effect
+from .celery_tasks import RUNS, SIGNALS, TASKS_LIMIT, limited_effect, limited_retry, plain_effect
 from .celery_workers import CeleryProcess, publish_elsewhere, purge_broker, stop_all
 from .settings import TOKENBUCKET as BASE_SETTINGS
 from .test_celery import (  # noqa: F401  (fixtures)
@@ -180,10 +185,14 @@ def test_the_checks_find_an_unknown_limit_and_an_impossible_count():
     assert check_rate_limited_tasks() == []
 
 
-def test_a_deferral_is_keyed_by_the_task_id():
+def test_a_deferral_is_keyed_by_the_task_id_and_its_retries():
     task_id = str(uuid.uuid4())
-    assert deferral_id(task_id) == uuid.UUID(task_id)
+    assert deferral_id(task_id) == deferral_id(task_id, 0) == uuid.UUID(task_id)
     assert deferral_id("my-own-id") == deferral_id("my-own-id") != deferral_id("my-own-id2")
+    # A retry is a delivery of its own (issue 47, item 8): each one has its own deferral.
+    retried = [deferral_id(task_id, n) for n in range(1, 4)]
+    assert len({uuid.UUID(task_id), *retried}) == 4
+    assert deferral_id(task_id, 2) == retried[1]
 
 
 # -- real workers -------------------------------------------------------------------------
@@ -360,3 +369,151 @@ def test_a_deferral_racing_its_twin_gives_its_tokens_back(monkeypatch):
         assert tokens("twin") == after_first == -1
     assert Reservation.objects.count() == 1
     purge_broker()
+
+
+# -- retries, blocks and the deferred run's name (issues 47 item 8, 49 item 6) -------------
+
+
+def signals(task_id: str) -> list[tuple[str, str, int, str | None]]:
+    """What Celery's signals said about ``task_id``, in order: (task, event, retries, mark)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT task, event, retries, reservation FROM {SIGNALS} WHERE task_id = %s ORDER BY at", [task_id]
+        )
+        return list(cursor.fetchall())
+
+
+def _deliver_in_this_process(key: str, retries: int) -> None:
+    """Deliver limited_effect("x", tenant=key) here as a worker would, as its ``retries``-th retry."""
+    limit = limited_effect.tokenbucket_config()
+    limited_effect.push_request(
+        id=str(uuid.uuid4()),
+        retries=retries,
+        args=("x",),
+        kwargs={"tenant": key},
+        called_directly=False,
+        is_eager=False,
+        delivery_info={"exchange": "", "routing_key": QUEUE},
+    )
+    try:
+        limited_effect._take_or_defer(limit, key, 1, 1_000_000, ("x",), {"tenant": key})
+    finally:
+        limited_effect.pop_request()
+
+
+def test_a_key_blocked_without_end_fails_the_task_instead_of_retrying_forever():
+    # Was: retried every 180 s (Celery's default_retry_delay), without end.
+    limiter.block(TASKS_LIMIT, "blocked")
+    with pytest.raises(RateLimited) as refused:
+        _deliver_in_this_process("blocked", retries=0)
+    assert refused.value.retry_after is None and refused.value.name == TASKS_LIMIT
+    assert not Reservation.objects.exists()
+    purge_broker()
+
+
+def test_a_refusal_with_an_end_is_retried_then_and_within_max_retries():
+    limiter.block(TASKS_LIMIT, "for-a-while", until=timedelta(seconds=30))
+    # Retried when the block ends...
+    with pytest.raises(Retry) as retried:
+        _deliver_in_this_process("for-a-while", retries=0)
+    assert retried.value.when == pytest.approx(30, abs=2)
+    # ...but not beyond the task's max_retries (3): then it fails (was: sys.maxsize).
+    assert limited_effect.max_retries == 3
+    with pytest.raises(RateLimited) as refused:
+        _deliver_in_this_process("for-a-while", retries=3)
+    assert refused.value.retry_after == pytest.approx(30, abs=2)
+    assert not Reservation.objects.exists()
+    purge_broker()
+
+
+@pytest.fixture(params=["database", "redis"])
+def retry_queue(request, workers, workdir):
+    """The queue to publish on: the 4 workers' (tokens in the database), or that of a
+    worker of its own whose tokens are in Redis (as this process' are then)."""
+    if request.param == "database":
+        yield QUEUE
+        return
+    store = request.getfixturevalue("redis_store")
+    queue = f"{QUEUE}-redis-tokens"
+    worker = CeleryProcess(workdir, queues=queue, tokenbucket=store)
+    try:
+        with override_settings(TOKENBUCKET={**BASE_SETTINGS, **store}):
+            yield queue
+    finally:
+        worker.stop()
+
+
+@pytest.mark.redis
+def test_a_deferred_task_that_retries_runs_again(retry_queue):
+    # A second of debt: the first delivery is deferred. Its run puts the bucket in debt
+    # again and retries at once: the retry is short of tokens, deferred in turn, and runs.
+    # Was: the retry's deferral met the first one's record and was dropped ("delivered
+    # again after it was deferred (failed); nothing more to do"): 1 run of 2.
+    limiter.limit(TASKS_LIMIT, "retrying", count=CAPACITY + RATE, reserve=True)
+    kwargs = {"tenant": "retrying", "retries": 1, "debt": RATE}
+    task_id = limited_retry.apply_async(("retry",), kwargs, queue=retry_queue).id
+    wait_for(
+        lambda: ("success", 1) in [s[1:3] for s in signals(task_id)], timeout=30, what="the retried run to succeed"
+    )
+    time.sleep(0.5)  # room for a duplicate to show up
+    assert [(row[1], row[4]) for row in sorted(runs(), key=lambda row: row[2]) if row[0] == "retry"] == [
+        (task_id, "Reservation 0"),
+        (task_id, "Reservation 1"),
+    ]
+    first, retry = uuid.UUID(task_id), deferral_id(task_id, 1)
+    deferrals = {r.pk: r for r in Reservation.objects.all()}
+    assert set(deferrals) == {first, retry}
+    # The first run ended in a retry (its tokens were used); the retry's ran.
+    assert deferrals[first].status == "failed" and deferrals[first].error.startswith("Retry")
+    assert deferrals[retry].status == "done"
+    # Each delivery under the task's own name: the message, then its deferred run (marked
+    # with its reservation), which retries; the retry, then its own deferred run, which
+    # succeeds. (The retry's delivery may start before the first run's retry is signalled.)
+    events = [(event, retries, mark) for _, event, retries, mark in signals(task_id)]
+    assert sorted(events, key=str) == sorted(
+        [
+            ("prerun", 0, None),
+            ("prerun", 0, str(first)),
+            ("retry", 0, str(first)),
+            ("prerun", 1, None),
+            ("prerun", 1, str(retry)),
+            ("success", 1, str(retry)),
+        ],
+        key=str,
+    )
+    assert events[:2] == [("prerun", 0, None), ("prerun", 0, str(first))]
+    assert events[-1] == ("success", 1, str(retry))
+    assert {task for task, *_ in signals(task_id)} == {"tests.limited_retry"}
+
+
+@pytest.mark.redis
+def test_a_deferred_run_is_the_task_itself_in_logs_and_signals(workers):
+    # Was: logged as "tests.limited_retry[id] ignored", then run and signalled as
+    # "django_tokenbucket.run_reservation[id]" (issue 49, item 6).
+    limiter.limit(TASKS_LIMIT, "named", count=CAPACITY + 2, reserve=True)
+    task_id = limited_retry.delay("named", tenant="named").id
+    wait_for(lambda: any(s[1] == "success" for s in signals(task_id)), timeout=30, what="the deferred run")
+    assert signals(task_id) == [
+        ("tests.limited_retry", "prerun", 0, None),
+        ("tests.limited_retry", "prerun", 0, task_id),
+        ("tests.limited_retry", "success", 0, task_id),
+    ]
+    logs = "".join(worker.output() for worker in workers)
+    assert f"django_tokenbucket.run_reservation[{task_id}]" not in logs
+    assert f"Task tests.limited_retry[{task_id}] deferred by " in logs
+    assert f"Task tests.limited_retry[{task_id}] succeeded in " in logs
+
+
+def test_a_deferred_run_published_by_an_earlier_version_still_runs(tables):
+    # Earlier versions sent a deferred run through django_tokenbucket.run_reservation;
+    # such a message, still in a broker after the upgrade, runs the task once.
+    task_id = str(uuid.uuid4())
+    with frozen_clock():
+        limiter.limit(TASKS_LIMIT, "legacy", count=CAPACITY)
+        _defer_in_this_process("legacy", task_id, "legacy")
+    purge_broker()  # this version's own message for it: the old one is delivered instead
+    run_reservation.apply(args=(task_id,)).get()
+    assert [(row[0], row[1], row[4]) for row in runs()] == [("legacy", task_id, "Reservation")]
+    assert Reservation.objects.get().status == "done"
+    with pytest.raises(Ignore):  # and once
+        run_reservation_work(run_reservation, task_id)

@@ -24,10 +24,13 @@ from .settings import TOKENBUCKET as BASE_SETTINGS
 DATABASE_BACKEND = "django_tokenbucket.backends.database.DatabaseBackend"
 BACKENDS = {
     "database": {"BACKEND": DATABASE_BACKEND},
+    # At the defaults: each call made by the backend itself within the default deadline
+    # (backends/redis/bounded.py), on the test cache's client (it sets socket timeouts)...
     "redis": {"BACKEND": "django_tokenbucket.backends.redis.RedisBackend"},
-    # The Redis backend making each call itself (backends/redis/bounded.py), within a
-    # TIMEOUT that no case comes near.
-    "redis-timeout": {"BACKEND": "django_tokenbucket.backends.redis.RedisBackend", "OPTIONS": {"TIMEOUT": 5.0}},
+    # ...and on a cache that sets none, through the backend's own client (clients.py)...
+    "redis-bare": {"BACKEND": "django_tokenbucket.backends.redis.RedisBackend", "OPTIONS": {"CACHE": "redis-bare"}},
+    # ...and without a deadline: every call left to redis-py (TIMEOUT None, the opt-out).
+    "redis-no-timeout": {"BACKEND": "django_tokenbucket.backends.redis.RedisBackend", "OPTIONS": {"TIMEOUT": None}},
 }
 
 
@@ -71,7 +74,10 @@ def api(request, monkeypatch):
 def backend(request, transactional_db, api):
     overrides = store_overrides(request.param, request)
     with override_settings(TOKENBUCKET={**BASE_SETTINGS, **overrides}):
-        assert getattr(get_backend(), "timeout", None) == overrides.get("OPTIONS", {}).get("TIMEOUT")
+        options, default = overrides.get("OPTIONS", {}), None
+        if request.param.startswith("redis"):
+            from django_tokenbucket.backends.redis.bounded import DEFAULT_TIMEOUT as default
+        assert getattr(get_backend(), "timeout", None) == options.get("TIMEOUT", default)
         yield request.param
         if request.param.startswith("redis") and api == "async":
             # The async twins reached Redis on its asyncio client only: never through a

@@ -193,6 +193,19 @@ class Demo:
                     found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
         return found
 
+    def manage(self, *arguments: str) -> str:
+        """Run ``manage.py`` in the copy as an operator would next to the running demo; return its output."""
+        env = {name: value for name, value in os.environ.items() if name not in ISOLATED_ENV}
+        done = subprocess.run(
+            [str(self.copy / ".venv-demo" / "bin" / "python"), "manage.py", *arguments],
+            cwd=self.copy,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        return done.stdout + done.stderr
+
     def interrupt(self) -> int:
         """Press Ctrl-C: SIGINT to the script's process group; return its exit status."""
         os.killpg(self.process.pid, signal.SIGINT)
@@ -239,20 +252,34 @@ def test_demo_shows_every_integration_and_stops_on_ctrl_c(demo: Demo) -> None:
     assert '"sustained"' in api[0].headers["RateLimit"]
     assert int(api[-1].headers["Retry-After"]) >= 1
 
-    # Login: @ratelimit per username (and per address).
+    # Login: login protection, no decorator on the view. Five failures lock mallory out
+    # (the demo's own address is exempt); the sixth attempt checks no password.
     assert client.get("/login/").status == 200  # sets the CSRF cookie
     welcome = client.post("/login/", {"username": "admin", "password": "admin"})
     assert (welcome.status, welcome.headers["Location"]) == (302, "/")
     attempts = client.until_429(
-        lambda: client.post("/login/", {"username": "mallory", "password": "guess"}), at_most=20
+        lambda: client.post("/login/", {"username": "mallory", "password": "guess"}), at_most=8
     )
-    assert attempts[0].status == 200 and "correct username and password" in attempts[0].text
-    retry_after = int(attempts[-1].headers["Retry-After"])
-    assert retry_after >= 1
-    assert "Too many attempts for this username" in attempts[-1].text
+    assert [r.status for r in attempts] == [200] * 5 + [429]
+    assert "correct username and password" in attempts[0].text
+    locked = attempts[-1]
+    assert locked.headers["Retry-After"] == "30"  # the first lockout
+    assert "is locked out for a while" in locked.text and "Your password was not checked" in locked.text
     # The page tells the same wait as the header (a denied Status is falsy: issue 21).
-    assert f"Try again in <strong>{retry_after} second" in attempts[-1].text
-    assert f"Retry-After: {retry_after}</code>" in attempts[-1].text
+    assert "Retry-After: 30</code>" in locked.text
+    # The lockout is a block override in the admin, never with the username in clear...
+    blocks = client.get("/admin/django_tokenbucket/limitoverride/")
+    assert blocks.status == 200 and "username=… (value not stored)" in blocks.text and "mallory" not in blocks.text
+    # ...and the README's unlock ends it: mallory's password is checked again.
+    unlocked = demo.manage("tokenbucket", "unlock", "--username", "mallory")
+    assert "Unlocked login_failures key username=mallory: removed its block" in unlocked, unlocked
+    # (The server applies the removed block within OVERRIDES["MAX_AGE"], 5 s.)
+    wait_for(
+        lambda: client.post("/login/", {"username": "mallory", "password": "guess"}).status == 200,
+        10,
+        "mallory's password checked again after the unlock",
+        interval=1,
+    )
 
     # An async def view with @ratelimit (a fixed window on the partner API).
     converted = client.get("/convert/?amount=100&from=EUR&to=USD")
@@ -261,6 +288,20 @@ def test_demo_shows_every_integration_and_stops_on_ctrl_c(demo: Demo) -> None:
     assert int(conversions[-1].headers["Retry-After"]) >= 1
     # A JSON endpoint's 429 is JSON even for a client that did not ask (curl: */*).
     assert conversions[-1].json()["retry_after"] == int(conversions[-1].headers["Retry-After"])
+    # The README's override from the admin's add form, on the key the view uses (issue 49):
+    # the client's address, typed as an operator reads it in the access log.
+    add = "/admin/django_tokenbucket/limitoverride/add/"
+    assert client.get(add).status == 200
+    made = client.post(
+        add,
+        {"name": "partner_api", "key_text": "ip=127.0.0.1", "key_form": "auto", "action": "exempt",
+         "rate": "", "capacity": "", "max_reserved": "", "duration": "1h", "expires_at_0": "", "expires_at_1": "",
+         "reason": "the README's demo"},
+    )
+    assert made.status == 302, made.text[-2000:]
+    listed = client.get("/admin/django_tokenbucket/limitoverride/")
+    assert "It reaches the bucket ip=127.0.0.1" in listed.text and "stored: requests have used it" in listed.text
+    assert client.get("/convert/?amount=1").status == 200  # exempt: the spent window no longer refuses
 
     # Expensive work: two jobs of 3,400 tokens on a budget of 6,000: the second waits
     # for its tokens, and the worker runs it when they exist, never before.
@@ -293,7 +334,7 @@ def test_demo_shows_every_integration_and_stops_on_ctrl_c(demo: Demo) -> None:
 
     # The admin lists the live buckets.
     buckets = client.get("/admin/django_tokenbucket/ratelimit/")
-    assert buckets.status == 200 and "login_username" in buckets.text and "llm_tokens" in buckets.text
+    assert buckets.status == 200 and "login_failures" in buckets.text and "llm_tokens" in buckets.text
 
     running = demo.processes()
     assert any("celery" in command and "worker" in command for command in running.values()), running
@@ -409,11 +450,11 @@ def test_admin_charts_who_is_being_limited_in_headless_chromium(demo: Demo, tmp_
     and at a phone's 390 px: the charts are drawn and the page does not scroll sideways."""
     from selenium.webdriver.common.by import By
 
-    # Traffic: bursts of mallory's and eve's login attempts, then mallory every 6.5 s,
-    # then eve every 3 s. login_username allows 5 a minute per username (one back every 12 s) and
-    # login_ip 10 per address (one back every 6 s): each is denied about a third of the
-    # time. For the docs' pictures, over two and a half minutes, so that the bars span
-    # several minutes; otherwise for 12 s, which shows both colours all the same.
+    # Traffic: bursts of mallory's and eve's failed logins, then mallory every 6.5 s,
+    # then eve every 3 s. login_failures allows 5 failures per username (one back every
+    # 12 s), then locks it out (30 s, 2 min, 10 min): refused attempts are the denials.
+    # For the docs' pictures, over two and a half minutes, so that the bars span several
+    # minutes; otherwise for 12 s, which shows both colours all the same.
     span = 150 if os.environ.get("TOKENBUCKET_ANALYTICS_SCREENSHOT") else 12
     client = Browser(demo.base_url)
     assert client.get("/login/").status == 200  # the CSRF cookie
@@ -421,8 +462,8 @@ def test_admin_charts_who_is_being_limited_in_headless_chromium(demo: Demo, tmp_
     def attempt(username: str) -> int:
         return client.post("/login/", {"username": username, "password": "wrong"}).status
 
-    # Both usernames past their 5 a minute: two denied keys for the table. (The address'
-    # 10 is spent by then too; a call both limits refuse is a denial of each.)
+    # Both usernames locked out: two denied keys for the table. (The demo's address is
+    # exempt: its bucket counts nothing.)
     statuses = [attempt("mallory") for _ in range(8)] + [attempt("eve") for _ in range(7)]
     started = time.monotonic()
     while time.monotonic() - started < span:
@@ -433,7 +474,7 @@ def test_admin_charts_who_is_being_limited_in_headless_chromium(demo: Demo, tmp_
     time.sleep(5)  # FLUSH is 2 s in the example's settings
 
     driver = headless_chromium(tmp_path, 1280, 900)
-    page = "/admin/django_tokenbucket/ratelimit/limits/login_username/"
+    page = "/admin/django_tokenbucket/ratelimit/limits/login_failures/"
     # TOKENBUCKET_ANALYTICS_SCREENSHOT=docs/admin-analytics.png ./scripts/test -e example
     # refreshes the docs' pictures (and docs/admin-analytics-phone.png beside it).
     wide = Path(os.environ.get("TOKENBUCKET_ANALYTICS_SCREENSHOT") or tmp_path / "admin-analytics.png")

@@ -69,3 +69,114 @@ def test_the_test_command_installs_only_what_the_envs_asked_for_need(tmp_path, e
             assert package not in asked, (envs, asked)
         else:
             assert package in asked, (envs, asked)
+
+# -- what the documented installs bring (issue 49, item 2) ---------------------------------
+#
+# `pip install 'dj-tokenbucket[celery]'` and a `redis://` broker: every worker stopped at
+# "No module named 'packaging'", which kombu's Redis transport imports and Celery installs
+# only with its `redis` extra. Each install line docs/celery.md gives for a broker must
+# bring every module that broker's transport imports (read from the transport's source),
+# per the metadata of what is installed here.
+
+DOCS = SETUP_CFG.parent / "docs"
+#: kombu's transport module for each broker the page names.
+TRANSPORTS = {"RabbitMQ": "kombu.transport.pyamqp", "Redis": "kombu.transport.redis"}
+
+
+def own_requirements(extras: set[str]) -> list[str]:
+    parser = configparser.ConfigParser()
+    parser.read(SETUP_CFG, encoding="utf-8")
+    lines = parser["options"]["install_requires"].splitlines()
+    for extra in extras:
+        lines += parser["options.extras_require"][extra].splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def installed_by(requirements: list[str]) -> set[str]:
+    """The distributions (canonical names) that installing ``requirements`` brings, from
+    this package's setup.cfg and the installed packages' metadata."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    brought: set[str] = set()
+    seen: set[tuple[str, frozenset[str]]] = set()
+    pending = [Requirement(line) for line in requirements]
+    while pending:
+        requirement = pending.pop()
+        name = canonicalize_name(requirement.name)
+        if (name, frozenset(requirement.extras)) in seen:
+            continue
+        seen.add((name, frozenset(requirement.extras)))
+        if name == "dj-tokenbucket":
+            pending += [Requirement(line) for line in own_requirements(set(requirement.extras))]
+            continue
+        brought.add(name)
+        try:
+            declared = distribution(name).requires or []
+        except PackageNotFoundError:  # not installed here, so not needed by what is
+            continue
+        for line in declared:
+            needed = Requirement(line)
+            environments = [{"extra": extra} for extra in requirement.extras] or [{"extra": ""}]
+            if needed.marker is None or any(needed.marker.evaluate(env) for env in environments):
+                pending.append(needed)
+    return brought
+
+
+def imported_distributions(module: str) -> set[str]:
+    """The distributions of the modules ``module`` imports at its top level (in a ``try`` too)."""
+    import ast
+    import importlib.util
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    names: set[str] = set()
+    statements = list(tree.body)
+    while statements:
+        statement = statements.pop()
+        if isinstance(statement, ast.Try):
+            statements += statement.body
+        elif isinstance(statement, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in statement.names}
+        elif isinstance(statement, ast.ImportFrom) and statement.level == 0 and statement.module:
+            names.add(statement.module.split(".")[0])
+    owners = packages_distributions()
+    top = module.split(".")[0]
+    return {
+        canonicalize_name(owners[name][0])
+        for name in names
+        if name not in sys.stdlib_module_names and name not in ("__future__", top)
+    }
+
+
+def documented_installs(page: Path) -> dict[str, list[str]]:
+    """The page's ``pip install`` lines, by the broker their comment names."""
+    import shlex
+
+    installs: dict[str, list[str]] = {}
+    for line in page.read_text(encoding="utf-8").splitlines():
+        command, _, comment = line.partition("#")
+        if not command.startswith("pip install "):
+            continue
+        words = shlex.split(command)
+        for broker in TRANSPORTS:
+            if f"{broker} broker" in comment:
+                installs[broker] = words[2:]
+    return installs
+
+
+def test_each_documented_celery_install_brings_what_its_broker_imports():
+    installs = documented_installs(DOCS / "celery.md")
+    assert set(installs) == set(TRANSPORTS), "docs/celery.md gives an install line per broker"
+    for broker, requirements in installs.items():
+        needed = imported_distributions(TRANSPORTS[broker])
+        missing = needed - installed_by(requirements)
+        assert not missing, f"`pip install {' '.join(requirements)}` leaves a {broker} broker without {missing}"
+    # The failure the issue met: the package's own extras alone leave the Redis broker out.
+    assert "packaging" in imported_distributions(TRANSPORTS["Redis"]) - installed_by(["dj-tokenbucket[celery,redis]"])

@@ -65,19 +65,24 @@ def cluster():
     local.close()
 
 
-@pytest.fixture(params=[None, 5.0], ids=["redis-py's retries", "TIMEOUT"])
+@pytest.fixture(params=[None, 5.0, "defaults"], ids=["redis-py's retries", "TIMEOUT", "defaults"])
 def backend(request, cluster):
     """The limiter on the cluster (this overrides the conformance suite's fixture of the same name):
-    through redis-py's cluster client, and through the backend's own bounded calls (a
-    ``TIMEOUT`` no test comes near)."""
+    through redis-py's cluster client (``TIMEOUT: None``), through the backend's own bounded
+    calls (a ``TIMEOUT`` no test comes near), and at the defaults: no ``TIMEOUT`` (the
+    default deadline's path, at a value no test comes near: conftest.py) and no socket
+    timeouts, so through a cluster client of the backend's own."""
+    timeouts = {} if request.param == "defaults" else {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 10}
     cache = {
         "BACKEND": "django_redis.cache.RedisCache",
         "LOCATION": cluster.url,
         "KEY_PREFIX": settings.REDIS_KEY_PREFIX,
-        "OPTIONS": {"CONNECTION_FACTORY": FACTORY, "SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 10},
+        "OPTIONS": {"CONNECTION_FACTORY": FACTORY, **timeouts},
     }
     tokenbucket = {**BASE_SETTINGS, "BACKEND": "django_tokenbucket.backends.redis.RedisBackend"}
-    tokenbucket["OPTIONS"] = {"CACHE": "cluster", "TIMEOUT": request.param}
+    tokenbucket["OPTIONS"] = {"CACHE": "cluster"}
+    if request.param != "defaults":
+        tokenbucket["OPTIONS"]["TIMEOUT"] = request.param
     with override_settings(CACHES={**settings.CACHES, "cluster": cache}, TOKENBUCKET=tokenbucket):
         client = get_backend().client()
         assert isinstance(client, RedisCluster)
@@ -272,6 +277,10 @@ def test_async_decisions_run_on_the_asyncio_cluster_client(cluster, redis_backen
     assert len(nodes) > 1  # the keys were spread over several masters
 
 
+# Not with the defaults' client: a third failover in a row on the session's cluster found
+# the nodes' views of the slot still apart now and then; that client goes through a real
+# failover in tests/test_redis_crash.py (a primary SIGKILLed, no socket timeouts).
+@pytest.mark.parametrize("backend", [None, 5.0], ids=["redis-py's retries", "TIMEOUT"], indirect=True)
 def test_a_failover_keeps_the_state_and_surfaces_no_error(cluster, redis_backend):
     """A replica takes over the slot (CLUSTER FAILOVER): MOVED and NOSCRIPT are both handled."""
     cluster.wait_until_ok()  # every replica linked: the other parameter's failover left one syncing
@@ -305,7 +314,10 @@ def test_a_failover_keeps_the_state_and_surfaces_no_error(cluster, redis_backend
         cluster.wait_until_ok()
         reloads = redis_backend.script_reloads
         assert limiter.limit("login", "failover").value == 2  # the replicated state, decided on the new master
-        assert cluster.node_for_slot(slot, via=replica).port == replica.port
+        views_agree = time.monotonic() + 10  # the promoted node's own view may lag by a gossip round
+        while cluster.node_for_slot(slot, via=replica).port != replica.port:
+            assert time.monotonic() < views_agree
+            time.sleep(0.05)
         assert redis_backend.script_reloads == reloads + 1  # the new master had never run the script
         replica_client.close()
 

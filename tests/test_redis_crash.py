@@ -1,18 +1,23 @@
 """A primary of a real Redis Cluster SIGKILLed while several OS processes decide
-(issue 34): the backend's ``TIMEOUT`` and per-node breaker, sync and asyncio.
+(issue 34): the backend's deadline and per-node breaker, sync and asyncio, at the
+defaults (issue 46): no ``TIMEOUT`` in the settings, so the default deadline (0.2 s).
 
 A local cluster of its own (3 primaries, a replica each, ``cluster-node-timeout`` 2000,
 tests/redis_servers.py) serves 4 processes deciding round-robin on 48 keys spread over
 the three primaries, with the documented client settings (``SOCKET_CONNECT_TIMEOUT``
-0.2, ``SOCKET_TIMEOUT`` 0.1) and ``TIMEOUT`` 0.2. Every key's bucket is spent before
-the kill, so the rest of the run is denials that write nothing: what a replica may not
-have received when its primary died (asynchronous replication, see docs/redis.md) does
-not enter the count, and any admission past a bucket's capacity would be the backend's
-doing. What is asserted does not depend on the machine's speed:
+0.2, ``SOCKET_TIMEOUT`` 0.1), and again with none (``bare``: what a project that
+configures nothing has; the backend's own connections then time out within the
+deadline). Every key's bucket is spent before the kill, so the rest of the run is
+denials that write nothing: what a replica may not have received when its primary died
+(asynchronous replication, see docs/redis.md) does not enter the count, and any
+admission past a bucket's capacity would be the backend's doing. What is asserted:
 
 - a call failed by a node's breaker made no connection attempt (counted by the
   connection class, per call);
-- no call outlived TIMEOUT by more than a generous margin;
+- the failed calls' p50 is at most 5 ms (they fail at once: issue 34's target), and no
+  call outlived the deadline by more than a generous margin;
+- the healthy keys' slowest call took at most 300 ms (the deadline, plus what scheduling
+  on a loaded 2-core machine adds; without a deadline they took up to a second);
 - no key was admitted more than its capacity;
 - every process decided on the crashed primary's keys again after the replica was
   promoted, without a restart;
@@ -50,6 +55,7 @@ from redis.cluster import RedisCluster
 from django_tokenbucket import BackendUnavailable, limiter
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.redis import aio
+from django_tokenbucket.backends.redis.bounded import DEFAULT_TIMEOUT
 from django_tokenbucket.backends.redis.breaker import BREAKERS
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.testing import frozen_clock
@@ -67,13 +73,29 @@ from .redis_servers import (
 )
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
-pytestmark = [pytest.mark.redis_processes, pytest.mark.concurrency, pytest.mark.redis_faults]
+pytestmark = [
+    pytest.mark.redis_processes,
+    pytest.mark.concurrency,
+    pytest.mark.redis_faults,
+    pytest.mark.default_deadline,
+]
 
 T0 = 1_700_000_000.0
-TIMEOUT = 0.2
+#: No TIMEOUT in the settings: every call has the default deadline.
+TIMEOUT = DEFAULT_TIMEOUT
 #: Beyond TIMEOUT, what scheduling on a busy 2-core machine may add; the unbounded calls
 #: of issue 34 took up to ~1 s on healthy keys and seconds on the crashed node's.
 MARGIN = 0.6
+#: Issue 46's targets at the defaults: the failed calls' p50, and the healthy keys' slowest
+#: call (the deadline, waiting out CLUSTERDOWN, and 100 ms for scheduling; issue 34's
+#: unbounded calls took 1,072 ms).
+FAILED_CALL_P50 = 0.005
+HEALTHY_SLOWEST = 0.3
+#: The client settings of the runs: docs/redis.md's, and none at all.
+CACHE_SETTINGS = {
+    "documented": {"SOCKET_CONNECT_TIMEOUT": 0.2, "SOCKET_TIMEOUT": 0.1},
+    "bare": {},
+}
 CAPACITY = 3
 KEYS = [f"crash-{i}" for i in range(48)]
 LIMIT = {"rate": CAPACITY, "period": 3600}
@@ -85,8 +107,13 @@ BEFORE_KILL = 1.0
 AFTER_KILL = 15.0
 
 
+@pytest.fixture(params=sorted(CACHE_SETTINGS))
+def cache_settings(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def crash_cluster(monkeypatch, without_deny_cache):
+def crash_cluster(monkeypatch, without_deny_cache, cache_settings):
     # Without the deny cache: the workers' clock is pinned, so the spent buckets would be
     # refused from memory for the whole run and never meet the crashed store.
     monkeypatch.setitem(aio._ASYNCIO_CLASSES, CountingConnection, AsyncCountingConnection)
@@ -97,8 +124,7 @@ def crash_cluster(monkeypatch, without_deny_cache):
         "KEY_PREFIX": settings.REDIS_KEY_PREFIX,
         "OPTIONS": {
             "CONNECTION_FACTORY": "django_tokenbucket.backends.redis.ClusterConnectionFactory",
-            "SOCKET_CONNECT_TIMEOUT": 0.2,
-            "SOCKET_TIMEOUT": 0.1,
+            **CACHE_SETTINGS[cache_settings],
             "REDIS_CLIENT_KWARGS": {"connection_class": CountingConnection},
         },
     }
@@ -111,11 +137,11 @@ def crash_cluster(monkeypatch, without_deny_cache):
 
 @contextmanager
 def deciding_on(cache: dict[str, Any]) -> Iterator[None]:
-    """The Redis backend on ``cache`` (as the alias "crash"), with TIMEOUT, and fresh breakers."""
+    """The Redis backend on ``cache`` (as the alias "crash"), with no TIMEOUT, and fresh breakers."""
     tokenbucket = {
         **BASE_SETTINGS,
         "BACKEND": "django_tokenbucket.backends.redis.RedisBackend",
-        "OPTIONS": {"CACHE": "crash", "TIMEOUT": TIMEOUT},
+        "OPTIONS": {"CACHE": "crash"},
     }
     BREAKERS.clear()
     try:
@@ -315,11 +341,14 @@ def crash_under_load(api: str, dead, replica, ports: dict[str, int], dead_node: 
         ),
         "healthy ms p50/p99 after promotion": ms([c[1] for c in after if not c[3]], 0.5, 0.99),
         "slowest call ms": round(max(c[1] for c in calls) * 1000, 1),
+        "healthy slowest call ms": round(max(c[1] for c in healthy) * 1000, 1) if healthy else None,
     }
     return results, killer, figures
 
 
-def report(topology: str, figures: dict[str, Any]) -> None:
+def report(topology: str, cache_settings: str, figures: dict[str, Any]) -> None:
+    if cache_settings == "bare":
+        topology += ", no socket timeouts"
     print(f"\nissue 34 {topology} crash ({figures['api']}): {figures}")
     if path := os.environ.get("TOKENBUCKET_FAILOVER_FIGURES"):
         with open(path, "a") as out:
@@ -331,8 +360,13 @@ def assert_failed_fast_bounded_and_resumed(results, killer, figures) -> None:
     # While a breaker was open, the calls it refused made no connection attempt.
     assert [v for r in results for v in r["violations"]] == []
     assert figures["refused by the breaker"] > 0
-    # No call outlived the deadline by more than the margin.
+    # The crashed node's calls failed fast (at once, most of them)...
+    failed_dead = sorted(c[1] for c in calls if c[2] == "failed" and c[3])
+    assert failed_dead[len(failed_dead) // 2] <= FAILED_CALL_P50, figures
+    # ...no call outlived the deadline by more than the margin, and the healthy keys'
+    # calls not by more than what scheduling adds.
     assert max(c[1] for c in calls) < TIMEOUT + MARGIN, figures
+    assert max((c[1] for c in calls if not c[3]), default=0) <= HEALTHY_SLOWEST, figures
     # No over-admission: every bucket was spent before the kill, and stays spent.
     admitted: Counter[str] = Counter()
     for result in results:
@@ -355,7 +389,7 @@ def assert_failed_fast_bounded_and_resumed(results, killer, figures) -> None:
 
 
 @pytest.mark.parametrize("api", ["sync", "asyncio"])
-def test_a_primary_killed_under_load_fails_fast_bounded_and_resumes(crash_cluster, api):
+def test_a_primary_killed_under_load_fails_fast_bounded_and_resumes(crash_cluster, cache_settings, api):
     backend = get_backend()
     ports = key_ports(backend)
     by_node = Counter(ports.values())
@@ -369,16 +403,25 @@ def test_a_primary_killed_under_load_fails_fast_bounded_and_resumes(crash_cluste
     # The replica holds every write before the kill (all buckets were spent above).
     crash_cluster.wait_until_ok()
     results, killer, figures = crash_under_load(api, dead, replica, ports, f"127.0.0.1:{dead_port}")
-    report("cluster", figures)
+    report("cluster", cache_settings, figures)
     assert_failed_fast_bounded_and_resumed(results, killer, figures)
 
 
 #: Service names already used: django-redis keeps a Sentinel pool per URL for the process.
 SERVICES = itertools.count()
+#: docs/redis.md's Sentinel settings (SOCKET_TIMEOUT at the deadline), and none.
+SENTINEL_SETTINGS = {
+    "documented": {
+        "SENTINEL_KWARGS": {"socket_timeout": 0.1},
+        "SOCKET_CONNECT_TIMEOUT": 0.2,
+        "SOCKET_TIMEOUT": TIMEOUT,
+    },
+    "bare": {},
+}
 
 
 @pytest.fixture
-def crash_sentinel(monkeypatch, without_deny_cache):
+def crash_sentinel(monkeypatch, without_deny_cache, cache_settings):
     """A master, its replica and a sentinel that fails over after 1 s of silence."""
     service = f"tbcrash{next(SERVICES)}"
     monkeypatch.setitem(aio._ASYNCIO_CLASSES, CountingSentinelConnection, AsyncCountingSentinelConnection)
@@ -393,9 +436,7 @@ def crash_sentinel(monkeypatch, without_deny_cache):
                     "CLIENT_CLASS": "django_redis.client.SentinelClient",
                     "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
                     "SENTINELS": [sentinel.address],
-                    "SENTINEL_KWARGS": {"socket_timeout": 0.1},
-                    "SOCKET_CONNECT_TIMEOUT": 0.2,
-                    "SOCKET_TIMEOUT": TIMEOUT,
+                    **SENTINEL_SETTINGS[cache_settings],
                     "CONNECTION_POOL_KWARGS": {"connection_class": CountingSentinelConnection},
                 },
             }
@@ -419,7 +460,7 @@ def wait_for_replica(sentinel, master, replica) -> None:
 
 
 @pytest.mark.parametrize("api", ["sync", "asyncio"])
-def test_a_sentinel_master_killed_under_load_fails_fast_bounded_and_resumes(crash_sentinel, api):
+def test_a_sentinel_master_killed_under_load_fails_fast_bounded_and_resumes(crash_sentinel, cache_settings, api):
     """The same crash under Sentinel: every key lives on the master, so every key fails
     until the sentinel has promoted the replica and a probe finds it through the sentinel."""
     master, replica, sentinel = crash_sentinel
@@ -427,5 +468,5 @@ def test_a_sentinel_master_killed_under_load_fails_fast_bounded_and_resumes(cras
     wait_for_replica(sentinel, master, replica)
     ports = dict.fromkeys(KEYS, master.port)
     results, killer, figures = crash_under_load(api, master, replica, ports, f"sentinel:{sentinel.service}")
-    report("sentinel", figures)
+    report("sentinel", cache_settings, figures)
     assert_failed_fast_bounded_and_resumed(results, killer, figures)

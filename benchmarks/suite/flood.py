@@ -28,6 +28,13 @@ WSGIHandler with a RequestFactory environ. And item 7: ``FAIL_OPEN`` with the da
 processes on one fresh key of 100 + 10/s for ``--seconds``: what the store admitted and what
 failing open let through, against the bound 100 + 10 x seconds.
 
+And issue 48's login phase (benchmarks/suite/flood_login.py), per backend in a process
+of its own: an account locked out by login protection takes wrong passwords through
+``authenticate()`` and through DRF's ``obtain_auth_token`` (Django's WSGIHandler, with
+``RateLimitMiddleware``), each next to the same login unprotected: µs per login, password
+hashes per login (Django's PBKDF2, counted) and store operations per login (counted on
+the server around each measurement).
+
 Prints issue 35's targets, met or MISSED, with the figures they come from; ``--docs``
 rewrites the region between ``<!-- bench-flood:begin -->`` and ``<!-- bench-flood:end -->``
 of that page. Not a test: it asserts nothing about speed, and every figure is from this run.
@@ -268,6 +275,24 @@ def _sequential(rounds: int, calls: int, requests: int) -> dict[str, Any]:
     }
 
 
+def _login_prepare() -> dict[str, Any]:
+    from benchmarks.suite import flood_login
+
+    try:
+        return flood_login.prepare()
+    finally:
+        _close()
+
+
+def _login_measure(path: str, protected: bool, attempts: int) -> dict[str, Any]:
+    from benchmarks.suite import flood_login
+
+    try:
+        return flood_login.measure(path, protected, attempts)
+    finally:
+        _close()
+
+
 def worker_main() -> None:
     """Answer the coordinator's commands, one JSON line in and one out, until ``quit``."""
     _setup_django()
@@ -278,6 +303,8 @@ def worker_main() -> None:
         "exhaust": _exhaust,
         "flood": _flood,
         "sequential": _sequential,
+        "login_prepare": _login_prepare,
+        "login_measure": _login_measure,
     }
     for line in sys.stdin:
         command = json.loads(line)
@@ -516,6 +543,38 @@ def run_fail_open(redis_server: Any, args: argparse.Namespace, result: dict[str,
         result["fail_open"][cache] = row
 
 
+#: Issue 48's login phase: (path, protected, attempts). An unprotected login runs Django's
+#: PBKDF2 (about a second each on 2 cores): a few are enough for its median.
+LOGIN_RUNS = (
+    ("direct", True, 2000),
+    ("direct", False, 5),
+    ("view", True, 1000),
+    ("view", False, 5),
+)
+
+
+def run_login(redis_server: Any, args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Issue 48: a locked-out account's wrong passwords, protected and not, per backend."""
+    for backend in BACKENDS:
+        config = f"login-{backend}"
+        print(f"{config}: starting 1 process ...", flush=True)
+        counter = Counter(backend, redis_server)
+        group = Group(config, 1, redis_server.port)
+        try:
+            row: dict[str, Any] = {"prepare": group.one("login_prepare")}
+            for path, protected, attempts in LOGIN_RUNS:
+                before = counter.read()
+                measured = group.one("login_measure", path=path, protected=protected, attempts=attempts)
+                ops = counter.between(before, counter.read()).get("ops", 0)
+                measured["store_ops"] = ops
+                measured["store_ops_per_attempt"] = ops / attempts
+                row[f"{path}-{'protected' if protected else 'unprotected'}"] = measured
+                print(f"  {path}, {'protected' if protected else 'unprotected'}: {json.dumps(measured)}", flush=True)
+        finally:
+            group.close()
+        result["login"][backend] = row
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -592,6 +651,26 @@ def view_denials(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def login_lines(result: dict[str, Any]) -> list[str]:
+    """Issue 48 in figures: a refused login next to an unprotected one (not targets)."""
+    lines = [
+        "| backend | login | protection | µs per login (p50) | password hashes per login "
+        "| store operations per login | answer |",
+        "|---|---|---|--:|--:|--:|---|",
+    ]
+    for backend, row in result.get("login", {}).items():
+        for path, label in (("direct", "`authenticate()`"), ("view", "DRF `obtain_auth_token`")):
+            for state in ("protected", "unprotected"):
+                m = row[f"{path}-{state}"]
+                shown = "locked out, refused" if state == "protected" else "none (ModelBackend)"
+                statuses = ", ".join(map(str, m["statuses"])) or "returns `None`"
+                lines.append(
+                    f"| {BACKENDS[backend]} | {label} | {shown} | {m['p50_us']:,.1f} | {m['hashes_per_attempt']:g} "
+                    f"| {m['store_ops_per_attempt']:.4f} ({m['store_ops']:,} over {m['attempts']:,}) | {statuses} |"
+                )
+    return lines
+
+
 def _n(value: float, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
@@ -658,6 +737,16 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {cache} | {_n(row['per_second'])} | {_n(row['admitted'])} | {_n(row['failed_open'])} "
             f"| {_n(row['refused_busy'])} | {row['bound']:g} | {row['let_through'] / row['bound']:.2f}× |"
         )
+    if result.get("login"):
+        lines += [
+            "",
+            "Issue 48, login protection: an account locked out (`LOGIN` keys username and address, a limit of 5 "
+            "failures per 15 minutes, deny cache on) takes wrong passwords, one process, next to the same login "
+            "with `ModelBackend` alone (Django's PBKDF2 at its default iterations; hashes counted by a counting "
+            "hasher, store operations on the server around each measurement):",
+            "",
+            *login_lines(result),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -710,7 +799,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000, help="limiter calls and PINGs a round")
     parser.add_argument("--requests", type=int, default=300, help="requests a view and round")
     parser.add_argument(
-        "--only", choices=[*BACKENDS, "fail-open"], help="one part alone, for a look: prints its figures, no report"
+        "--only",
+        choices=[*BACKENDS, "fail-open", "login"],
+        help="one part alone, for a look: prints its figures, no report",
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--docs", type=Path, help="rewrite the bench-flood region of this page")
@@ -741,6 +832,7 @@ def main() -> None:
             "warmup": {},
             "configs": {},
             "fail_open": {},
+            "login": {},
         }
         started = time.perf_counter()
         _prepare_databases()
@@ -750,9 +842,13 @@ def main() -> None:
                     run_backend(backend, redis_server, args, result)
             if args.only in (None, "fail-open"):
                 run_fail_open(redis_server, args, result)
+            if args.only in (None, "login"):
+                run_login(redis_server, args, result)
             result["machine"] = machine()
         finally:
             _drop_databases()
+        if args.only == "login":
+            print("\n".join(login_lines(result)))
         if args.only:
             return
         result["machine"]["load_before"] = " ".join(f"{x:.2f}" for x in load_before)

@@ -22,13 +22,16 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.auth",
     "rest_framework",
+    # DRF's obtain_auth_token: the login view of the login phase (flood_login.py).
+    "rest_framework.authtoken",
     "django_tokenbucket",
 ]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 PG_HOST, PG_PORT, PG_USER = base.PG_HOST, base.PG_PORT, base.PG_USER
-PG_DATABASE = "tokenbucket_bench_flood"
-PROBE_DATABASE = "tokenbucket_bench_flood_probe"
+# Another name when two runs share a server (they drop and create their databases).
+PG_DATABASE = os.environ.get("TOKENBUCKET_FLOOD_DATABASE", "tokenbucket_bench_flood")
+PROBE_DATABASE = f"{PG_DATABASE}_probe"
 DATABASES = {"default": {**base.DATABASES["default"], "NAME": PG_DATABASE}}
 
 REDIS_PORT = int(os.environ.get("TOKENBUCKET_FLOOD_REDIS_PORT", "6379"))
@@ -71,6 +74,9 @@ CONFIGS = {
     # Item 7: a contended key under FAIL_OPEN and a 20 ms deadline on the database.
     "failopen-on": (DATABASE, {"TIMEOUT": 0.02}, True, True),
     "failopen-off": (DATABASE, {"TIMEOUT": 0.02}, False, True),
+    # Issue 48: logins refused by login protection, next to unprotected ones (flood_login.py).
+    "login-db": (DATABASE, {}, True, False),
+    "login-redis": (REDIS, {"CACHE": "default"}, True, False),
 }
 CONFIG = os.environ.get("TOKENBUCKET_FLOOD_CONFIG", "db-on")
 _backend, _options, _cached, _fail_open = CONFIGS[CONFIG]
@@ -86,8 +92,18 @@ TOKENBUCKET = {
     "LIMITS": {
         "flood": FLOOD_LIMIT,
         "rotating": {"rate": 1, "period": 3600, "capacity": 1},
+        # Issue 48: the failed logins a key may have (five, then one every three minutes).
+        "login_failures": "5/15m",
     },
+    "LOGIN": {"LIMIT": "login_failures", "KEYS": ["username", "ip"]},
 }
+
+# Login protection, and Django's default password hasher counting its hashes. Only the
+# login phase authenticates; its processes also answer a refused JSON login 429.
+AUTHENTICATION_BACKENDS = ["django_tokenbucket.auth.LoginBackend", "django.contrib.auth.backends.ModelBackend"]
+PASSWORD_HASHERS = ["benchmarks.suite.flood_login.CountingPBKDF2PasswordHasher"]
+if CONFIG.startswith("login-"):
+    MIDDLEWARE = [*MIDDLEWARE, "django_tokenbucket.middleware.RateLimitMiddleware"]
 
 LOGGING = {
     "version": 1,

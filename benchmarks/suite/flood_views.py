@@ -13,6 +13,7 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 from django.urls import path
+from rest_framework.authtoken.views import obtain_auth_token
 from rest_framework.exceptions import Throttled
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -76,4 +77,6 @@ urlpatterns: list[Any] = [
     path("drf/plain/", PlainAPIView.as_view()),
     path("drf/limited/", ThrottledAPIView.as_view()),
     path("drf/refused/", RefusingAPIView.as_view()),
+    # Issue 48's login phase (flood_login.py): DRF's token login, no decorator on it.
+    path("login/token/", obtain_auth_token),
 ]

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CELERY_DEFAULTS",
+    "RESERVATION_HEADER",
     "HeldTokens",
     "RateLimitedTask",
     "Scheduled",
@@ -238,7 +239,6 @@ def _record_reservation(
     jitter_us = round(random.uniform(0, jitter) * MICRO) if jitter else 0
     eta = _EPOCH + timedelta(microseconds=now_us + wait_us + jitter_us)
     held = (eta - timezone.now()).total_seconds() > max_eta()
-    options = publish_options(stored_signature)
     try:
         reservation = reservation_model().objects.using(alias).create(
             **({} if pk is None else {"pk": pk}),
@@ -265,7 +265,7 @@ def _record_reservation(
 
     def publish() -> None:
         if not held:
-            _publish_after_commit(pk, eta, options, alias)
+            _publish_after_commit(pk, eta, stored_signature, alias)
 
     if shared or not reserved:
         if not held:
@@ -303,8 +303,22 @@ def _plain_signature(signature: Signature | Mapping[str, Any]) -> Signature:
     return signature
 
 
+def _publish(pk: Any, eta: datetime, stored: Mapping[str, Any]) -> None:
+    """Publish the run of reservation ``pk``, whose task is the ``stored`` signature.
+
+    A ``RateLimitedTask`` runs under its own name (logs, monitoring and Celery's signals
+    see the task that was written), marked as the reservation's run; any other task
+    runs inside ``django_tokenbucket.run_reservation``.
+    """
+    task = current_app.tasks.get(stored["task"])
+    if isinstance(task, RateLimitedTask):
+        task._publish_run(pk, eta, stored)
+    else:
+        _send(pk, eta, publish_options(stored))
+
+
 def _send(pk: Any, eta: datetime, options: Mapping[str, Any]) -> None:
-    """Publish the task of reservation ``pk`` (its id is the reservation's)."""
+    """Publish ``run_reservation`` for reservation ``pk`` (its id is the reservation's)."""
     when = eta if eta > timezone.now() else None
     # By name: the task lives in tasks.py, which imports this module.
     try:
@@ -317,9 +331,9 @@ def _send(pk: Any, eta: datetime, options: Mapping[str, Any]) -> None:
     task.apply_async((str(pk),), task_id=str(pk), eta=when, **options)
 
 
-def _publish_after_commit(pk: Any, eta: datetime, options: Mapping[str, Any], alias: str) -> None:
+def _publish_after_commit(pk: Any, eta: datetime, stored: Mapping[str, Any], alias: str) -> None:
     try:
-        _send(pk, eta, options)
+        _publish(pk, eta, stored)
     except Exception as exc:
         # Committed but not published (broker down): marked for the sweeper's next run.
         # An error here would reach a caller whose transaction has already committed.
@@ -351,25 +365,30 @@ def _ignore(pk: Any, status: str) -> NoReturn:
     raise Ignore()
 
 
-def run_reservation_work(task: Any, reservation_id: str) -> Any:
+def run_reservation_work(task: Any, reservation_id: str, body: Any = None) -> Any:
     """Run the work of one reservation, once, however often its message arrives.
 
     The body of the ``django_tokenbucket.run_reservation`` task (``tasks.run_reservation``),
-    bound: ``task`` is the running task.
+    bound: ``task`` is the running task. A ``RateLimitedTask`` delivered as a reservation's
+    run passes its own ``run`` as ``body``, and runs only a reservation of its own.
     """
     alias = reservations.database_alias()
     row = reservation_model().objects.using(alias).filter(pk=reservation_id).first()
     if row is None:
         logger.warning("reservation %s does not exist (deleted?): nothing to run", reservation_id)
         raise Ignore()
+    if body is not None and row.task != task.name:
+        logger.warning("reservation %s is %s's, not %s's: nothing to run", row.pk, row.task, task.name)
+        raise Ignore()
     if row.status not in WAITING:
         _ignore(row.pk, row.status)
     if row.eta > timezone.now() and not task.request.is_eager:
         # Too early (published again without its ETA): the tokens do not exist yet.
-        _send(row.pk, row.eta, publish_options(row.signature))
+        _publish(row.pk, row.eta, row.signature)
         raise Ignore()
     stored = load_signature(row.signature)
-    body = task.app.tasks[stored["task"]]
+    if body is None:
+        body = task.app.tasks[stored["task"]]
     args, kwargs = stored.get("args", ()), stored.get("kwargs", {})
     if row.atomic:
         return _run_atomic(row.pk, alias, body, args, kwargs)
@@ -553,7 +572,7 @@ def _publish_batches(alias: str, queryset: Any, batch: int, now: datetime) -> tu
             done = []
             for row in rows:
                 try:
-                    _send(row.pk, row.eta, publish_options(row.signature))
+                    _publish(row.pk, row.eta, row.signature)
                 except Exception as exc:
                     logger.warning("reservation %s: publishing failed, next sweep retries: %s", row.pk, exc)
                     break
@@ -569,4 +588,4 @@ def _publish_batches(alias: str, queryset: Any, batch: int, now: datetime) -> tu
 
 
 # Last: the task base builds on the names above.
-from .task import RateLimitedTask  # noqa: E402
+from .task import RESERVATION_HEADER, RateLimitedTask  # noqa: E402

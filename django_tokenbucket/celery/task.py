@@ -5,9 +5,13 @@ by every worker and every producer. A delivery first takes its tokens. When they
 there, the task runs at once. When they are not, the tokens are reserved, the task is
 recorded as a ``Reservation`` and published again for the moment they exist, and the
 delivery ends: the worker slot is free at once, nothing sleeps and nothing retries in a
-loop. The deferral is keyed by the task's id, so a message delivered again after its
-worker died between deferring and acknowledging finds the deferral and does nothing
-more. See "Global task rate limits" in ``docs/celery.md``.
+loop. The deferred run is a message of the task itself, under its id, marked with the
+reservation's (``RESERVATION_HEADER``): logs, monitoring and Celery's signals see the
+task that was written. The deferral is keyed by the task's id and its ``retries``, so
+that a message delivered again after its worker died between deferring and
+acknowledging finds the deferral and does nothing more, while a retry (the same id, one
+more retry) is a delivery of its own, deferred in turn. See "Global task rate limits"
+in ``docs/celery.md``.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
 import uuid
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from datetime import datetime
 from typing import Any
 
 from celery import Task
@@ -26,30 +30,43 @@ from celery._state import _task_stack
 from celery.exceptions import Ignore
 from django.core.exceptions import ImproperlyConfigured
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
 from ..api import limiter
+from ..exceptions import RateLimited
 from ..limits import LimitConfig
-from . import _current, _record_reservation, _send, _undo_reservation, reservations
+from ..status import Status
+from . import _current, _publish, _record_reservation, _undo_reservation, reservations, run_reservation_work
 from .reservations import WAITING, HeldTokens, reservation_model, took_nothing
-from .signatures import dump_signature
+from .signatures import dump_signature, load_signature
 
-__all__ = ["RateLimitedTask", "deferral_id"]
+__all__ = ["RESERVATION_HEADER", "RateLimitedTask", "deferral_id"]
 
 logger = logging.getLogger("django_tokenbucket")
 
 #: kombu transports that set ``redelivered`` on every message delivered again.
 _REDELIVERY_FLAGGING_DRIVERS = frozenset({"amqp", "redis"})
 
+#: The message header that makes a delivery of a ``RateLimitedTask`` the run of a
+#: reservation (its id): the task runs under its own name, in the reservation's bookkeeping.
+RESERVATION_HEADER = "tokenbucket_reservation"
+#: Where a deferral keeps, beside the stored signature, the delivery it defers: the task's
+#: id, its ``retries`` and its place in a workflow, which its deferred run carries on.
+DELIVERY = "delivery"
+
 #: Deferrals of tasks whose ids are not UUIDs get one derived from the id.
 _DEFERRAL_NAMESPACE = uuid.UUID("0e1f6a52-3c57-4bd2-9a44-7f3bb1a1e2a9")
 
 
-def deferral_id(task_id: str) -> uuid.UUID:
-    """Return the id of the reservation that defers the task ``task_id``.
+def deferral_id(task_id: str, retries: int = 0) -> uuid.UUID:
+    """Return the id of the reservation that defers delivery ``retries`` of the task ``task_id``.
 
-    The task's own id when it is a UUID (Celery's are), so that the deferred run, which is
-    published under its reservation's id, stores its result where ``AsyncResult`` looks.
+    The task's own id when it is a UUID (Celery's are) and not a retry; a retry (the
+    same id, ``retries`` > 0) is a new delivery of the task, not the first one delivered
+    again, and gets an id of its own, derived from both.
     """
+    if retries:
+        return uuid.uuid5(_DEFERRAL_NAMESPACE, f"{task_id}\x00retry {int(retries)}")
     try:
         return uuid.UUID(task_id)
     except (TypeError, ValueError, AttributeError):
@@ -88,13 +105,18 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
     tokenbucket_refund_on_failure: bool = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # A direct call, or the deferred run itself (which calls the task directly,
-        # inside the reservation's bookkeeping): the tokens are not this call's to take.
+        # A direct call, or a deferred run inside run_reservation (what this version no
+        # longer publishes, but a message already in a broker may be): the tokens are
+        # not this call's to take.
         if self.request.called_directly:
             deferred = _current.get()
             if isinstance(deferred, reservation_model()) and deferred.task == self.name:
-                return self._run_deferred(str(deferred.pk), args, kwargs)
+                return self._run_deferred(deferred, args, kwargs)
             return super().__call__(*args, **kwargs)
+        reservation = self._reservation_run()
+        if reservation is not None:
+            # The run of a reservation: its tokens were taken when it was made.
+            return run_reservation_work(self, reservation, body=self.run)
         limit = self.tokenbucket_config()
         key = self._argument("tokenbucket_key", args, kwargs)
         if key is None and callable(_static(self, "tokenbucket_key")):
@@ -131,10 +153,53 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
         except Exception as exc:
             raise ValueError(f"task {self.name!r}: {attribute} raised {type(exc).__name__}: {exc}") from exc
 
+    def _reservation_run(self) -> str | None:
+        """Return the reservation this delivery is the run of, or None.
+
+        Only when the mark names the deferral of this very delivery (its id and
+        ``retries``): a retry made from a deferred run inherits the message's headers,
+        and is a delivery of its own that takes its own tokens.
+        """
+        marked = (self.request.headers or {}).get(RESERVATION_HEADER)
+        if marked is None or str(marked) != str(deferral_id(self.request.id, self.request.retries or 0)):
+            return None
+        return str(marked)
+
+    def signature_from_request(self, request: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Celery's, without the mark of a reservation's run: what it makes (a retry) is
+        a delivery of its own."""
+        signature = super().signature_from_request(request, *args, **kwargs)
+        headers = signature.options.get("headers")
+        if headers and RESERVATION_HEADER in headers:
+            signature.options["headers"] = {k: v for k, v in headers.items() if k != RESERVATION_HEADER}
+        return signature
+
+    def _publish_run(self, pk: Any, eta: datetime, stored: Mapping[str, Any]) -> None:
+        """Publish the run of reservation ``pk`` (this task's ``stored`` signature) as a
+        message of this task, under the deferred delivery's id and ``retries`` (the
+        reservation's id for ``schedule()``'s), marked with ``pk``."""
+        loaded = load_signature(stored)
+        options = dict(loaded.get("options") or {})
+        headers = {**(options.pop("headers", None) or {}), RESERVATION_HEADER: str(pk)}
+        delivery = stored.get(DELIVERY) or {}
+        self.apply_async(
+            loaded.get("args") or (),
+            loaded.get("kwargs") or {},
+            task_id=delivery.get("id") or str(pk),
+            retries=int(delivery.get("retries") or 0),
+            root_id=delivery.get("root_id"),
+            parent_id=delivery.get("parent_id"),
+            eta=eta if eta > timezone.now() else None,
+            headers=headers,
+            # Published by the delivery it defers: not a subtask of it.
+            add_to_parent=False,
+            **options,
+        )
+
     def _take_or_defer(
         self, limit: LimitConfig, key: Any, count: Any, amount: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        pk = deferral_id(self.request.id)
+        pk = deferral_id(self.request.id, self.request.retries or 0)
         alias = reservations.database_alias()
         objects = reservation_model().objects.using(alias)
         if self._maybe_delivered_before() and self._deferred_already(objects, pk, alias):
@@ -146,8 +211,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
         # message, delivered again, defers once.
         status = limiter.limit(limit.name, key, count=count, reserve=True)
         if not status.ok:
-            # max_reserved is full: come back when a reservation would fit.
-            raise self.retry(countdown=status.retry_after, max_retries=sys.maxsize)
+            raise self._refused(limit, key, status)
         unspent = took_nothing(status)
         if unspent or not status.retry_after:
             return self._run_holding(unspent, limit, key, amount, args, kwargs)
@@ -163,7 +227,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
                     encoded,
                     count,
                     # Arguments that cannot be stored fail inside: the tokens go back.
-                    dump_signature(self.signature(args, kwargs, **self._same_route())),
+                    self._stored_signature(args, kwargs),
                     inline=False,
                     atomic=bool(self.acks_late),
                     refund_on_failure=self.tokenbucket_refund_on_failure,
@@ -178,8 +242,49 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
             if isinstance(exc, IntegrityError) and self._deferred_already(objects, pk, alias):
                 raise Ignore() from None
             raise
-        logger.debug("task %s deferred by %.3f s for rate limit %r", self.request.id, status.retry_after, limit.name)
+        # Celery logs the delivery as "ignored" next: this line says why.
+        logger.info(
+            "Task %s[%s] deferred by %.3f s for rate limit %r (reservation %s)",
+            self.name,
+            self.request.id,
+            status.retry_after,
+            limit.name,
+            pk,
+        )
         raise Ignore()
+
+    def _refused(self, limit: LimitConfig, key: Any, status: Status) -> BaseException:
+        """Return what ends a delivery the limit refused outright: ``max_reserved`` is
+        full for now, or an override blocks the key.
+
+        Retried (Celery's ``retry``, within the task's ``max_retries`` and ``expires``)
+        for the moment a reservation would fit; once ``max_retries`` is spent, or for a
+        block without end (nothing changes that but an operator), the task fails with
+        RateLimited.
+        """
+        refused = RateLimited(limit.name, key, status.retry_after, status)
+        if status.retry_after is None:
+            logger.warning(
+                "Task %s[%s]: rate limit %r refuses it with no end (%s): failed",
+                self.name,
+                self.request.id,
+                limit.name,
+                "the key is blocked" if status.override == "block" else "it can never fit",
+            )
+            return refused
+        return self.retry(exc=refused, countdown=status.retry_after)  # type: ignore[no-any-return]
+
+    def _stored_signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Return the task's signature as a deferral stores it, with the delivery it defers."""
+        stored = dump_signature(self.signature(args, kwargs, **self._same_route()))
+        request = self.request
+        stored[DELIVERY] = {
+            "id": request.id,
+            "retries": request.retries or 0,
+            "root_id": request.root_id,
+            "parent_id": request.parent_id,
+        }
+        return stored
 
     def _maybe_delivered_before(self) -> bool:
         """Return False only for a first delivery on a broker that flags redeliveries.
@@ -198,9 +303,8 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
         if row is None:
             return False
         if row.status in WAITING:
-            options = dict(row.signature.get("options") or {})
             # Sent again: the claim makes a second message harmless, and a lost one is found.
-            reservations.after_commit(alias, lambda: _send(row.pk, row.eta, options))
+            reservations.after_commit(alias, lambda: _publish(row.pk, row.eta, row.signature))
         logger.info("task %s: delivered again after it was deferred (%s); nothing more to do", pk, row.status)
         return True
 
@@ -219,11 +323,18 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
             options["priority"] = info["priority"]
         return options
 
-    def _run_deferred(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # As Task.__call__, but with the request of the delivery that .delay() made: the
-        # task sees the id it was given (its reservation's), not a direct call's None.
+    def _run_deferred(self, deferred: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # As Task.__call__, but with the request of the delivery that was deferred: the
+        # task sees the id it was given and its retries, not a direct call's None and 0.
+        delivery = deferred.signature.get(DELIVERY) or {}
         _task_stack.push(self)
-        self.push_request(id=task_id, args=args, kwargs=kwargs, called_directly=False)
+        self.push_request(
+            id=delivery.get("id") or str(deferred.pk),
+            retries=delivery.get("retries") or 0,
+            args=args,
+            kwargs=kwargs,
+            called_directly=False,
+        )
         try:
             return self.run(*args, **kwargs)
         finally:

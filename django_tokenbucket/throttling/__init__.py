@@ -258,9 +258,7 @@ class SimpleRateThrottle(BaseThrottle):
 
     # -- how a request becomes limits ---------------------------------------------------
 
-    def limit_requests(
-        self, request: DRFRequest, view: Any, scopes: Sequence[str] | None = None
-    ) -> list[LimitRequest]:
+    def limit_requests(self, request: DRFRequest, view: Any, scopes: Sequence[str] | None = None) -> list[LimitRequest]:
         """Return the limits this throttle takes from for ``request`` (empty: not throttled).
 
         ``scopes`` are ``get_scopes()``'s answer when the caller has it already.
@@ -567,15 +565,17 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     """
     if isinstance(exc, RateLimited):
         response = drf_views.exception_handler(Throttled(wait=exc.retry_after), context)
-        if response is not None:
-            # RFC 6585: a 429 must not be stored by a cache.
-            response["Cache-Control"] = "no-store"
-            if exc.status is not None:
-                add_ratelimit_headers(response, [exc.status])
-        return response
-    if isinstance(exc, BackendUnavailable):
-        return drf_views.exception_handler(ServiceUnavailable(), context)
-    return drf_views.exception_handler(exc, context)
+        if response is not None and exc.status is not None:
+            add_ratelimit_headers(response, [exc.status])
+    elif isinstance(exc, BackendUnavailable):
+        response = drf_views.exception_handler(ServiceUnavailable(), context)
+    else:
+        response = drf_views.exception_handler(exc, context)
+    if response is not None and isinstance(exc, (RateLimited, BackendUnavailable, Throttled, ServiceUnavailable)):
+        # A refusal (RFC 6585: a 429 must not be stored) or a store that failed for the
+        # moment: a shared cache must serve neither to anyone else.
+        response["Cache-Control"] = "no-store"
+    return response
 
 
 registry.add_throttle_rates_source(declared_throttle_rates)

@@ -23,7 +23,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from django_tokenbucket import Status, limiter
 from django_tokenbucket.algorithms import MICRO
 from django_tokenbucket.celery import schedule
-from django_tokenbucket.decorators import UNSAFE, ratelimit
+from django_tokenbucket.decorators import ratelimit
 from django_tokenbucket.http import default_response
 from django_tokenbucket.request_keys import request_key
 from django_tokenbucket.settings import tokenbucket_settings
@@ -69,18 +69,18 @@ def home(request: HttpRequest) -> HttpResponse:
     return render(request, "demo/home.html", context)
 
 
-# -- login: @ratelimit per address and per username -------------------------------------
+# -- login: login protection, no decorator ---------------------------------------------
 
 
 @sensitive_post_parameters("password")
 @never_cache
-@ratelimit("login_ip", key="ip", method=UNSAFE)
-@ratelimit("login_username", key="post:username", method=UNSAFE)
 def login_view(request: HttpRequest) -> HttpResponse:
-    """Log in; attempts are limited per address (10/min) and per username (5/min).
+    """Log in with Django's AuthenticationForm: nothing here limits anything.
 
-    Both decorators count every attempt, right or wrong, so guessing passwords for one
-    account, or for many accounts from one address, soon gets a 429 with Retry-After.
+    ``LoginBackend`` (first in AUTHENTICATION_BACKENDS) counts the failures of every
+    ``authenticate()``, this form's and the admin's, per username and per address; a
+    locked-out username is refused before its password is checked, and
+    ``LOGIN["RESPONSE"]`` (``locked_out``) answers with the lockout page.
     """
     form = AuthenticationForm(request, data=request.POST or None)
     if request.method == "POST" and form.is_valid():
@@ -90,11 +90,22 @@ def login_view(request: HttpRequest) -> HttpResponse:
         if not url_has_allowed_host_and_scheme(next_url, allowed_hosts={request.get_host()}):
             next_url = reverse("home")
         return redirect(next_url)
-    attempts_left = None
-    username_status = next((s for s in getattr(request, "ratelimits", []) if s.name == "login_username"), None)
-    if username_status is not None:
-        attempts_left = username_status.remaining
-    return render(request, "demo/login.html", {"form": form, "attempts_left": attempts_left})
+    return render(request, "demo/login.html", {"form": form})
+
+
+#: The lockouts of a key within LOCKOUT_MEMORY (an hour here): 30 s, 2 min, then 10 min.
+LOCKOUTS = (30, 120, 600)
+
+
+def lockout_seconds(lockouts: int) -> int:
+    """``LOGIN["COOLOFF"]``: how long lockout number ``lockouts`` of a key lasts."""
+    return LOCKOUTS[min(lockouts, len(LOCKOUTS)) - 1]
+
+
+def locked_out(request: HttpRequest, status: Status) -> HttpResponse:
+    """``LOGIN["RESPONSE"]``: the page of a login refused because its key is locked out."""
+    retry_after = status.retry_after_header
+    return render(request, "demo/429.html", {"status": status, "retry_after": retry_after, "login": True}, status=429)
 
 
 # -- an async view: @ratelimit on async def -----------------------------------------------

@@ -14,6 +14,10 @@ as a blocking one, for the primary (the first ``LOCATION``, where django-redis w
 - ``django_tokenbucket.backends.redis.ClusterConnectionFactory``:
   ``redis.asyncio.cluster.RedisCluster.from_url``.
 
+Where the cache sets no ``SOCKET_TIMEOUT`` and a deadline is in force, the connect
+timeout the cache leaves unset is half the deadline (as on the sync path, ``clients``)
+and replies get no socket timeout: ``asyncio.timeout`` cuts every wait of a call.
+
 The blocking classes these settings may name (``CONNECTION_POOL_CLASS``,
 ``REDIS_CLIENT_CLASS``, ``PARSER_CLASS``, a ``connection_class`` or ``retry`` in the
 kwargs) are replaced by their asyncio counterparts. A setting that has none (a
@@ -47,10 +51,7 @@ import redis.asyncio.sentinel
 import redis.connection
 import redis.retry
 import redis.sentinel
-from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.utils.module_loading import import_string
-from django_redis.client import DefaultClient, HerdClient, SentinelClient
 from django_redis.pool import ConnectionFactory, SentinelConnectionFactory
 from redis._parsers import (
     _AsyncHiredisParser,
@@ -63,9 +64,9 @@ from redis._parsers import (
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.connection import to_bool
 
-from .. import is_django_redis
+from .clients import PRIMARY_CLIENTS, _imported, cache_primary, filled_options
 
-__all__ = ["AsyncioClients", "missing_cache_error", "not_django_redis_error"]
+__all__ = ["AsyncioClients"]
 
 logger = logging.getLogger("django_tokenbucket")
 
@@ -84,23 +85,6 @@ _ASYNCIO_CLASSES: dict[Any, Any] = {
     _RESP2Parser: _AsyncRESP2Parser,
     _RESP3Parser: _AsyncRESP3Parser,
 }
-#: django-redis' client classes whose raw client is the primary's, as ``get_client(write=True)``.
-_PRIMARY_CLIENTS = (DefaultClient, HerdClient, SentinelClient)
-
-
-def missing_cache_error(alias: str, setting: str) -> ImproperlyConfigured:
-    defined = ", ".join(map(repr, settings.CACHES)) or "none"
-    return ImproperlyConfigured(
-        f"{setting}['OPTIONS']['CACHE'] = {alias!r} is not an alias in CACHES "
-        f"(defined: {defined}): name a django-redis cache"
-    )
-
-
-def not_django_redis_error(alias: str) -> ImproperlyConfigured:
-    return ImproperlyConfigured(
-        f"the Redis backend needs a django-redis cache, and CACHES[{alias!r}] is not one "
-        f"(set its BACKEND to 'django_redis.cache.RedisCache')"
-    )
 
 
 class _ThreadPath(Exception):
@@ -122,9 +106,11 @@ class _LoopClient:
 class AsyncioClients:
     """The asyncio clients of one django-redis cache, one per running event loop."""
 
-    def __init__(self, alias: str, setting: str, *, cluster_factory: type[Any]) -> None:
+    def __init__(self, alias: str, setting: str, *, cluster_factory: type[Any], deadline: float | None = None) -> None:
         self.alias = alias
         self.setting = setting
+        #: The backend's TIMEOUT: what the socket timeouts the cache leaves unset become.
+        self.deadline = deadline
         self._cluster_factory = cluster_factory
         self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClient] = (
             weakref.WeakKeyDictionary()
@@ -197,32 +183,22 @@ class AsyncioClients:
         )
 
     def _build(self) -> tuple[Any, Callable[[], Awaitable[None]]]:
-        caches: dict[str, Any] = getattr(settings, "CACHES", {})
-        if self.alias not in caches:
-            raise missing_cache_error(self.alias, self.setting)
-        cache = caches[self.alias]
-        if not is_django_redis(cache.get("BACKEND")):
-            raise not_django_redis_error(self.alias)
-        options: dict[str, Any] = dict(cache.get("OPTIONS") or {})
-        location = cache.get("LOCATION")
-        if not location:
-            raise ImproperlyConfigured(f"CACHES[{self.alias!r}] has no LOCATION (the Redis server's URL)")
-        servers = location.split(",") if isinstance(location, str) else list(location)
-        client_class = self._imported(options, "CLIENT_CLASS", "django_redis.client.DefaultClient")
-        if not (isinstance(client_class, type) and client_class in _PRIMARY_CLIENTS):
+        primary = cache_primary(self.alias, self.setting)
+        client_class, url, factory = primary.client_class, primary.url, primary.factory
+        if not (isinstance(client_class, type) and client_class in PRIMARY_CLIENTS):
             raise _ThreadPath(f"CACHES[{self.alias!r}]['OPTIONS']['CLIENT_CLASS'] is {client_class!r}")
-        url = servers[0]
-        if client_class is SentinelClient and isinstance(location, str):
-            # As SentinelClient does: the first location is the service's master.
-            parsed = urlparse(url)
-            query = parse_qs(parsed.query, keep_blank_values=True)
-            query["is_master"] = ["1"]
-            url = urlunparse((*parsed[:4], urlencode(query, doseq=True), parsed[5]))
-        factory_path = options.get("CONNECTION_FACTORY") or getattr(
-            settings, "DJANGO_REDIS_CONNECTION_FACTORY", "django_redis.pool.ConnectionFactory"
-        )
-        factory = import_string(str(factory_path))
+        # The client is the backend's own: the socket timeouts the cache leaves unset are
+        # the deadline's (clients.filled_options), as on the sync path.
+        filled = filled_options(primary.options, self.deadline)
+        options = filled or primary.options
         params = self._connection_params(options)
+        if filled is not None:
+            # asyncio.timeout cuts every wait of a call at the deadline, so its replies need no
+            # timer of their own (redis-py starts one per send and per read when given a
+            # socket timeout, and from redis-py 8 on gives one when none is given: 5 s). The
+            # connect keeps half the deadline, so that a host that does not answer fails it
+            # within the call, which tells the breaker (a cancelled connect tells it nothing).
+            params["socket_timeout"] = None
         try:
             if factory is self._cluster_factory:
                 return self._cluster(url, params, options)
@@ -238,8 +214,7 @@ class AsyncioClients:
         raise _ThreadPath(f"CACHES[{self.alias!r}] uses the connection factory {factory!r}")
 
     def _imported(self, options: dict[str, Any], option: str, default: str) -> Any:
-        path = options.get(option, default)
-        return import_string(path) if isinstance(path, str) else path
+        return _imported(options, option, default)
 
     def _asyncio_class(self, option: str, blocking: Any) -> Any:
         counterpart = _ASYNCIO_CLASSES.get(blocking)

@@ -19,9 +19,10 @@ a minute's set ``KEY_MINUTES_KEPT`` minutes past its minute (both plus
 clock, taking a flush to happen within the minute it reports: one that comes later
 only keeps its keys a little longer. No readable labels are kept (see ``backend``).
 
-The backend's ``TIMEOUT`` bounds decisions only: these calls come from the flush thread
-and the admin, not from a request waiting on its limit, and are bounded by the cache's
-``SOCKET_TIMEOUT``.
+The backend's deadline bounds decisions only: these calls come from the flush thread
+and the admin, not from a request waiting on its limit, and are bounded by the socket
+timeouts of the client (the cache's, or those the backend's own client fills in at the
+deadline where the cache sets none: ``clients``).
 """
 
 from __future__ import annotations

@@ -36,49 +36,50 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
-from django.core.cache import InvalidCacheBackendError, caches
+from django.core.cache import caches
 from django.core.cache.backends.base import default_key_func
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 try:
-    from django_redis import get_redis_connection
+    import django_redis  # noqa: F401  (the error to show when it is missing)
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(f"the Redis backend needs django-redis: pip install 'dj-tokenbucket[redis]' ({exc})") from exc
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from ... import catalogue, clock
 from ...keys import EncodedKey
 from ...limits import LimitConfig
 from ...settings import tokenbucket_settings
-from ..base import Answers, BackendError, BaseBackend, Outcome, RecentDenials, Request, RowId, row_id, timeout_option
-from .aio import AsyncioClients, missing_cache_error, not_django_redis_error
+from ..base import Answers, BackendError, BaseBackend, Outcome, RecentDenials, Request, RowId, row_id
+from .aio import AsyncioClients
 from .analytics import AnalyticsKeys
 from .bounded import (
     acluster_execute,
-    aread,
+    asyncio_node,
     awaited_reply,
     cluster_execute,
+    deadline_option,
     expired,
     guarded,
-    single_execute,
+    node_of,
+    run_within,
 )
 from .checks import check_cache
+from .clients import decision_client
 from .connections import (
     ClusterConnectionFactory,
     _may_have_run,
     _single_server_pool,
-    give_back,
-    lease,
-    packed_read,
     run_on_link,
     script_pool,
 )
 from .keyspace import KeyspaceListing, _check_slots, _key_head, _node_clients, _state_key, state_key
+from .reads import ReadsFirst
 from .script import (
     _HEADERS,
     _INDEX_AND_COUNT,
@@ -86,11 +87,8 @@ from .script import (
     SCRIPT,
     SCRIPT_SHA,
     _capped,
-    _decision,
-    _make_outcome,
     _microseconds,
     _msgpack,
-    _parse_state,
     _refund_request,
     _reply_outcome,
 )
@@ -126,6 +124,8 @@ class _Connection(NamedTuple):
     read_pool: Any
     #: That pool again when the client never retries a command: the script runs on it directly.
     script_pool: Any = None
+    #: Under a deadline, the pool the script runs on (``bounded.single_execute``); None on a cluster.
+    bounded_pool: Any = None
 
 
 class _Limit(NamedTuple):
@@ -143,14 +143,17 @@ class _Limit(NamedTuple):
     fresh_ts: bytes | None
 
 
-class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
+class RedisBackend(ReadsFirst, AnalyticsKeys, KeyspaceListing, BaseBackend):
     """Store limits in Redis, using the client of a django-redis cache.
 
     Options: ``CACHE``, the alias in ``CACHES`` (default ``"default"``); it must be a
     ``django_redis.cache.RedisCache``. For Redis Cluster, give that cache
     ``"CONNECTION_FACTORY": "django_tokenbucket.backends.redis.ClusterConnectionFactory"``.
-    ``TIMEOUT`` (default None): the seconds a whole call may take before it fails as a
-    store failure, and unreachable nodes fail their keys' calls at once (``bounded``).
+    ``TIMEOUT`` (default ``bounded.DEFAULT_TIMEOUT``, 0.2): the seconds a whole call may
+    take before it fails as a store failure, and unreachable nodes fail their keys' calls
+    at once (``bounded``); ``None`` leaves each call to redis-py, unbounded. Where the
+    cache sets no socket timeouts, the backend's calls go through a client of its own
+    whose connections time out within the deadline (``clients``).
     """
 
     option_names = frozenset(_OPTIONS)
@@ -168,7 +171,8 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
                 f"{', '.join(sorted(map(repr, unknown)))}; expected 'CACHE' or 'TIMEOUT'"
             )
         try:
-            self.timeout = timeout_option(self.options.get("TIMEOUT"), setting)
+            #: The deadline of a call in seconds, or None for none (``TIMEOUT: None``).
+            self.timeout = deadline_option(self.options, setting)
         except ValueError as exc:
             raise ImproperlyConfigured(str(exc)) from None
         alias = self.options.get("CACHE", "default")
@@ -191,7 +195,9 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
         self.recent_denials = RecentDenials()
         self.reads: Counter[str] = Counter()
         #: The asyncio clients of the async API, one per event loop.
-        self.asyncio_clients = AsyncioClients(alias, setting, cluster_factory=ClusterConnectionFactory)
+        self.asyncio_clients = AsyncioClients(
+            alias, setting, cluster_factory=ClusterConnectionFactory, deadline=self.timeout
+        )
         #: Calls of the async API by how they reached Redis: "asyncio" (its own client)
         #: or "thread" (the blocking client in a worker thread, for cache settings that
         #: the asyncio client cannot mirror; ``asyncio_clients.thread_reason`` says why).
@@ -232,14 +238,14 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
                     return read
             keys, argv = self._command(connection, requests, apply=apply)
             _check_slots(connection.client, keys, requests)
-            reply = self._run(connection.client, keys, argv, deadline, connection.script_pool)
+            reply = self._run(connection, keys, argv, deadline)
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc, ambiguous=apply and self._script_may_have_run(exc)) from exc
         return self._learned(_reply_outcome(reply, len(requests)), requests, apply)
 
     async def adecide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
         """``decide()`` on the asyncio client of the running event loop: the same script,
-        keys, clock and error mapping, without a thread; within ``TIMEOUT`` if set."""
+        keys, clock and error mapping, without a thread; within the deadline, unless ``TIMEOUT`` is None."""
         if self.timeout is None:
             return await self._adecide(requests, apply, None)
         deadline = time.monotonic() + self.timeout
@@ -269,104 +275,6 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
             ambiguous = apply and client is not None and _may_have_run(client, exc)
             raise self._failed(exc, ambiguous=ambiguous) from exc
         return self._learned(_reply_outcome(reply, len(requests)), requests, apply)
-
-    # -- reading first: a denial or a check without the script ----------------------------
-    #
-    # A key this process saw denied lately is likely denied again: its decision reads
-    # the bucket and the clock (GET, then TIME, sent together: one round trip) and
-    # decides in Python with the same algorithm as the script (tests/test_redis.py holds
-    # the two equal). A denial, or a check, ends there, having written nothing; what
-    # writes (an admission) still goes to the script, which decides it again. The clock
-    # is read after the bucket: buckets only fill as time passes, so a state denied at
-    # the later time was denied when it was read, whatever other clients did between
-    # the two (a reset in between is ordered after the denial). Only on a client that
-    # talks to one server (Sentinel included); a cluster's decisions all run the script.
-
-    def _reads_first(self, requests: Sequence[Request], apply: bool) -> bool:
-        return len(requests) == 1 and (not apply or self.recent_denials.likely(self.cache_alias, requests[0]))
-
-    def _read_plan(self, connection: _Connection, request: Request) -> tuple[Any, list[tuple[str, ...]], int | None]:
-        """Return the pool to read on (None: the script decides), the read's commands and,
-        when the script would be sent one, the time."""
-        pool = connection.read_pool
-        if pool is None:
-            return None, [], None
-        self.reads["sent"] += 1
-        key = self._key(connection, self._limit(request.config), request.key)
-        now = clock.override()
-        if now is None and connection.app_clock:
-            now = clock.app_now()
-        return pool, ([("GET", key)] if now is not None else [("GET", key), ("TIME",)]), now
-
-    def _read_outcome(self, request: Request, raw: Any, now: int, *, apply: bool) -> Outcome | None:
-        """Decide ``request`` from the stored ``raw`` at ``now``; None when the script must."""
-        state = None if raw is None else _parse_state(raw)
-        if raw is not None and state is None:
-            return None  # unreadable: the script says so
-        config = request.config
-        decision = config.decide(state, now, request.count, request.key.digest, request.reserve)
-        if apply and (decision.allowed or decision.state is not None):
-            # It writes (an admission, or a denial that re-dates a bucket whose clock
-            # went back): the script decides it again, atomically.
-            return None
-        self.reads["decided"] += 1
-        if decision.state is not None:  # a check's: the script's decisions carry none
-            decision = _decision(decision.allowed, decision.value, decision.retry_after, decision.full_after)
-        return self._learned(_make_outcome([decision], now), [request], apply)
-
-    def _read(
-        self, connection: _Connection, request: Request, *, apply: bool, deadline: float | None = None
-    ) -> Outcome | None:
-        """Decide ``request`` from one read of its bucket and the clock; None: run the script."""
-        pool, commands, now = self._read_plan(connection, request)
-        if pool is None:
-            return None
-        if deadline is not None:
-            try:
-                replies = single_execute(pool, commands, deadline, self.timeout or 0.0)
-            except ResponseError:
-                return None
-            except (RedisError, OSError) as exc:
-                raise self._failed(exc) from exc  # a read changed nothing: not ambiguous
-            now = _microseconds(replies[1]) if now is None else now
-            return self._read_outcome(request, replies[0], now, apply=apply)
-        try:
-            link = lease(pool)
-        except (RedisError, OSError) as exc:
-            raise self._failed(exc) from exc  # nothing was sent
-        try:
-            link.send_packed_command(packed_read(commands) or link.pack_commands(commands))
-            raw = link.read_response()
-            if now is None:
-                now = _microseconds(link.read_response())
-        except ResponseError:
-            link.disconnect()  # the other reply may be unread
-            return None
-        except (RedisError, OSError) as exc:
-            link.disconnect()
-            raise self._failed(exc) from exc  # a read changed nothing: not ambiguous
-        except BaseException:
-            link.disconnect()
-            raise
-        finally:
-            give_back(pool, link)
-        return self._read_outcome(request, raw, now, apply=apply)
-
-    async def _aread(
-        self, connection: _Connection, request: Request, *, apply: bool, deadline: float | None = None
-    ) -> Outcome | None:
-        """``_read`` on the asyncio client (behind the node's breaker under ``TIMEOUT``)."""
-        pool, commands, now = self._read_plan(connection, request)
-        if pool is None:
-            return None
-        try:
-            replies = await aread(pool, commands, guard=deadline is not None)
-        except (RedisError, OSError) as exc:
-            raise self._failed(exc) from exc  # a read changed nothing: not ambiguous
-        if replies is None:
-            return None
-        now = _microseconds(replies[1]) if now is None else now
-        return self._read_outcome(request, replies[0], now, apply=apply)
 
     def _learned(self, outcome: Outcome, requests: Sequence[Request], apply: bool) -> Outcome:
         """Return ``outcome``, after remembering whether its key is likely denied next time."""
@@ -410,6 +318,16 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
             raise self._failed(exc) from exc
 
     async def areset(self, config: LimitConfig, key: EncodedKey) -> None:
+        if self.timeout is None:
+            await self._areset(config, key)
+            return
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self._areset(config, key)
+        except TimeoutError as exc:  # asyncio's, at the deadline
+            raise self._failed(expired(self.timeout)) from exc
+
+    async def _areset(self, config: LimitConfig, key: EncodedKey) -> None:
         try:
             connection = await self._aconnect()
             if connection is None:
@@ -473,20 +391,24 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
 
         django-redis would look the cache up (a thread-local) and its client on every
         call; its connection pools are process-wide anyway, so one client serves all
-        threads, as ``get_redis_connection`` would hand out the same pool.
+        threads, as ``get_redis_connection`` would hand out the same pool. Under a
+        deadline, a cache without socket timeouts is decided on through a client of the
+        backend's own (``clients``).
         """
         connection = self._connection
         if connection is not None and connection.generation == _settings_generation:
             return connection
         generation = _settings_generation
-        try:
-            client = get_redis_connection(self.cache_alias, write=True)
-        except InvalidCacheBackendError:
-            raise missing_cache_error(self.cache_alias, self.setting) from None
-        except NotImplementedError:
-            raise not_django_redis_error(self.cache_alias) from None
+        client = decision_client(self.cache_alias, self.setting, self.timeout)
+        single = _single_server_pool(client)
         connection = self._connection = _Connection(
-            generation, client, *self._key_function(), _app_clock(), _single_server_pool(client), script_pool(client)
+            generation,
+            client,
+            *self._key_function(),
+            _app_clock(),
+            single,
+            script_pool(client),
+            None if isinstance(client, RedisCluster) else single or client.connection_pool,
         )
         return connection
 
@@ -547,7 +469,8 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
         fields = limit.reserve if request.reserve else limit.plain
         return _INDEX_AND_COUNT.pack(0xD3, key_index, 0xD3, request.count) + fields + fresh_ts
 
-    def _run(self, client: Any, keys: list[str], argv: list[str | bytes], deadline: float | None, pool: Any) -> Any:
+    def _run(self, connection: _Connection, keys: list[str], argv: list[str | bytes], deadline: float | None) -> Any:
+        client = connection.client
         script = self._script
         if script is None:
             with self._script_lock:
@@ -557,10 +480,15 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
         assert script is not None
         # Not evalsha(): its per-call argument-deprecation wrapper; and on a client that
         # never retries, not execute_command() either: its per-call hooks (run_on_link).
-        if deadline is not None:
-            execute = self._bounded(client, keys[0], deadline)
-        else:
+        execute: Callable[..., Any]
+        if deadline is None:
+            pool = connection.script_pool
             execute = client.execute_command if pool is None else partial(run_on_link, pool)
+        elif connection.bounded_pool is not None:
+            execute = partial(run_within, connection.bounded_pool, deadline, self.timeout or 0.0)
+        else:
+            key, timeout = keys[0], self.timeout or 0.0
+            execute = lambda *args: cluster_execute(client, key, args, deadline, timeout)  # noqa: E731
         try:
             return execute("EVALSHA", script.sha, len(keys), *keys, *argv)
         except NoScriptError:
@@ -569,19 +497,12 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
             # script and caches it again in one round trip, on whichever node owns the slot.
             return execute("EVAL", SCRIPT, len(keys), *keys, *argv)
 
-    def _bounded(self, client: Any, key: str, deadline: float) -> Callable[..., Any]:
-        """What runs one command of a call within ``deadline`` (``bounded``), on ``client``."""
-        timeout = self.timeout or 0.0
-        if isinstance(client, RedisCluster):
-            return lambda *args: cluster_execute(client, key, args, deadline, timeout)
-        pool = client.connection_pool
-        return lambda *args: single_execute(pool, [args], deadline, timeout)[0]
-
     async def _arun(
         self, connection: _Connection, keys: list[str], argv: list[str | bytes], deadline: float | None
     ) -> Any:
         client = connection.client
-        bounded_cluster = deadline is not None and isinstance(client, AsyncRedisCluster)
+        pool = connection.read_pool  # None on a cluster
+        bounded_cluster = deadline is not None and pool is None and isinstance(client, AsyncRedisCluster)
         call = partial(acluster_execute, client, keys[0]) if bounded_cluster else client.execute_command
 
         async def run() -> Any:
@@ -591,7 +512,9 @@ class RedisBackend(AnalyticsKeys, KeyspaceListing, BaseBackend):
                 self.script_reloads += 1
                 return await call("EVAL", SCRIPT, len(keys), *keys, *argv)
 
-        return await (run() if deadline is None or bounded_cluster else guarded(client, keys[0], run))
+        if deadline is None or bounded_cluster:
+            return await run()
+        return await guarded(node_of(pool) if pool is not None else asyncio_node(client, keys[0]), run)
 
 
 def _app_clock() -> bool:

@@ -3,7 +3,9 @@
 redis-py bounds each socket wait, not a call: its cluster client tries a command again
 up to ten times after a connection error, re-reading the topology each time, and
 sleeps 0.25 s per ``CLUSTERDOWN`` reply, so a call can take seconds whatever
-``SOCKET_TIMEOUT`` says. With ``TIMEOUT`` set, the backend makes each call itself:
+``SOCKET_TIMEOUT`` says. A rate limiter sits in front of every request, so every call
+is bounded unless the settings say ``TIMEOUT: None``: ``DEFAULT_TIMEOUT`` when they
+give none (``deadline_option``). Within it, the backend makes each call itself:
 
 - on one server (Sentinel's included) it sends the command on a connection of the
   client's pool and reads the reply for no longer than the time left (redis-py's pools
@@ -17,8 +19,9 @@ sleeps 0.25 s per ``CLUSTERDOWN`` reply, so a call can take seconds whatever
 
 No step starts once the deadline has passed, and a reply is awaited only for the time
 left; on the sync API a connection being made is bounded by ``SOCKET_CONNECT_TIMEOUT``
-and its handshake by ``SOCKET_TIMEOUT`` alone. A command that was sent and whose reply
-did not come is never sent again: the script may have run.
+and its handshake by ``SOCKET_TIMEOUT`` alone, which the backend sets for its own
+connections where the cache sets none (``clients``). A command that was sent and whose
+reply did not come is never sent again: the script may have run.
 
 Every node is guarded by its breaker (``breaker``): once no connection to a node could
 be made, the calls whose keys it holds fail at once, until one probe finds it (or its
@@ -47,26 +50,55 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import str_if_bytes
 
+from ..base import timeout_option
 from .breaker import BREAKERS, Breakers
-from .connections import _pooled_connection
+from .connections import _pooled_connection, give_back, lease
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "DeadlineExceeded",
     "NodeUnavailable",
     "acluster_execute",
     "aread",
+    "asyncio_node",
     "awaited_reply",
     "cluster_execute",
+    "deadline_option",
     "expired",
     "guarded",
     "node_of",
     "refused",
+    "run_within",
     "single_execute",
 ]
+
+#: The deadline of every call when the backend's OPTIONS give no ``TIMEOUT`` (seconds).
+#: A healthy decision takes well under a millisecond, so this is reached only by a Redis
+#: that is not answering (down, frozen, blocked by a slow command, a cluster waiting for
+#: a failover) or a host too loaded to read its reply: long enough never to cut a healthy
+#: call, short enough that a request held by a failing store is answered (by the fail
+#: mode) within a fifth of a second rather than after redis-py's retries and waits.
+DEFAULT_TIMEOUT = 0.2
 
 #: The first pause after ``CLUSTERDOWN`` or ``TRYAGAIN``, and the longest.
 FIRST_PAUSE = 0.01
 MAX_PAUSE = 0.2
+#: A reply is awaited with the connection's own socket timeout, rather than one cut to
+#: the time left, when that ends at most this much after the deadline: the backend's own
+#: connections time out at the deadline itself (``clients``), and setting the socket's
+#: timeout for a read and back costs two system calls per call.
+READ_SLACK = 0.005
+
+
+def deadline_option(options: Any, setting: str = "TOKENBUCKET") -> float | None:
+    """The seconds a call may take: ``OPTIONS["TIMEOUT"]``, ``DEFAULT_TIMEOUT`` when it is
+    not given, None (no deadline, redis-py's own behaviour) when it is given as None.
+
+    Raises ValueError for anything else than None or a positive, finite number.
+    """
+    if "TIMEOUT" not in options:
+        return DEFAULT_TIMEOUT
+    return timeout_option(options["TIMEOUT"], setting)
 
 
 class DeadlineExceeded(RedisTimeoutError):
@@ -83,16 +115,26 @@ def _mark(exc: BaseException, sent: bool) -> BaseException:
     return exc
 
 
+#: The attribute of a pool that holds its breaker's name (fixed for the pool's life).
+_NODE = "_django_tokenbucket_node"
+
+
 def node_of(pool: Any) -> str:
     """The breaker's name for the server of a one-server pool: ``host:port``, the socket path,
     or the Sentinel service (whose master may move)."""
+    node: str | None = getattr(pool, _NODE, None)
+    if node is not None:
+        return node
     service = getattr(pool, "service_name", None)
-    if service is not None:
-        return f"sentinel:{service}"
     kwargs = pool.connection_kwargs
-    if "path" in kwargs:
-        return str(kwargs["path"])
-    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+    if service is not None:
+        node = f"sentinel:{service}"
+    elif "path" in kwargs:
+        node = str(kwargs["path"])
+    else:
+        node = f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+    setattr(pool, _NODE, node)
+    return node
 
 
 def _connecting(exc: BaseException) -> bool:
@@ -131,39 +173,48 @@ def _on_link(
     timeout: float,
     node: str,
     breakers: Breakers,
+    *,
+    packed: Any = None,
+    spare: bool = False,
 ) -> list[Any]:
     """Send ``commands`` together on a connection of ``pool``; read their replies until ``deadline``.
 
-    A reply that is an error is raised after every reply was read (the connection stays
-    in step); the first one wins.
+    ``packed``: the commands already packed. ``spare``: a connection that the process'
+    decisions hand to each other (``connections.lease``), on a one-server pool. A reply
+    that is an error is raised after every reply was read (the connection stays in
+    step); the first one wins.
     """
     try:
-        link = _pooled_connection(pool)
+        link = lease(pool) if spare else _pooled_connection(pool)
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
         breakers.failed(node)
         _mark(exc, sent=False)
         raise
     if time.monotonic() >= deadline:  # connecting took the time left
-        pool.release(link)
+        give_back(pool, link) if spare else pool.release(link)
         raise _mark(expired(timeout), sent=False)
     sent = False
     replies: list[Any] = []
     error: ResponseError | None = None
     try:
-        link.send_packed_command(link.pack_commands(commands))
+        if packed is None:
+            packed = link.pack_command(*commands[0]) if len(commands) == 1 else link.pack_commands(commands)
+        link.send_packed_command(packed)
         sent = True
+        own = link.socket_timeout
         for _ in commands:
             left = deadline - time.monotonic()
-            cut = link.socket_timeout is None or left < link.socket_timeout
+            cut = own is None or left < own - READ_SLACK
             try:
                 # A wait no longer than the time left; the connection's own timeout otherwise.
-                reply = link.read_response(timeout=max(left, 0.0)) if cut else link.read_response()
+                # Never 0: a non-blocking read with nothing to read is an error, not a timeout.
+                reply = link.read_response(timeout=max(left, 1e-4)) if cut else link.read_response()
             except ResponseError as exc:
                 error = error or exc
                 reply = None
             except RedisTimeoutError as exc:
-                if not cut:
-                    raise
+                if not cut and own < left:
+                    raise  # the connection's own timeout, shorter than the time left
                 raise expired(timeout) from exc
             replies.append(reply)
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
@@ -176,7 +227,7 @@ def _on_link(
         link.disconnect()
         raise
     finally:
-        pool.release(link)
+        give_back(pool, link) if spare else pool.release(link)
     breakers.succeeded(node)  # it answered, if only with an error
     if error is not None:
         raise error
@@ -184,13 +235,29 @@ def _on_link(
 
 
 def single_execute(
-    pool: Any, commands: Sequence[Sequence[Any]], deadline: float, timeout: float, breakers: Breakers = BREAKERS
+    pool: Any,
+    commands: Sequence[Sequence[Any]],
+    deadline: float,
+    timeout: float,
+    breakers: Breakers = BREAKERS,
+    *,
+    packed: Any = None,
 ) -> list[Any]:
-    """Run ``commands`` together on the server of ``pool`` (no retry) within ``deadline``; their replies."""
+    """Run ``commands`` together on the server of ``pool`` (no retry) within ``deadline``; their
+    replies. On a spare connection (``connections.lease``), as the calls without a deadline."""
     node = node_of(pool)
     if not breakers.allow(node):
         raise refused(node, breakers)
-    return _on_link(pool, commands, deadline, timeout, node, breakers)
+    return _on_link(pool, commands, deadline, timeout, node, breakers, packed=packed, spare=True)
+
+
+def run_within(pool: Any, deadline: float, timeout: float, *command: Any) -> Any:
+    """Run one ``command`` on the server of ``pool`` within ``deadline``; its reply
+    (``single_execute`` for the decision script: ``connections.run_on_link`` with a deadline)."""
+    node = node_of(pool)
+    if not BREAKERS.allow(node):
+        raise refused(node)
+    return _on_link(pool, (command,), deadline, timeout, node, BREAKERS, spare=True)[0]
 
 
 def cluster_execute(
@@ -249,14 +316,14 @@ def asyncio_node(client: Any, key: str) -> str | None:
     return None if pool is None else node_of(pool)
 
 
-async def guarded(client: Any, key: str, run: Callable[[], Awaitable[Any]], breakers: Breakers = BREAKERS) -> Any:
-    """Await ``run()`` (a command of an asyncio ``client`` on ``key``) behind its node's breaker.
+async def guarded(node: str | None, run: Callable[[], Awaitable[Any]], breakers: Breakers = BREAKERS) -> Any:
+    """Await ``run()`` (a command of an asyncio client) behind the breaker of ``node`` (see
+    ``asyncio_node``; None: unknown, unguarded).
 
     The deadline itself is ``asyncio.timeout``'s, around the whole call: this only tells
     the breaker whether the node answered. A call cancelled at the deadline tells it
     nothing: redis-py may have been waiting out a cluster that is down, not this node.
     """
-    node = asyncio_node(client, key)
     if node is None:
         return await run()
     if not breakers.allow(node):

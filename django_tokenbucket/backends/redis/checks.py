@@ -10,7 +10,8 @@ from django_redis import get_redis_connection
 
 from ... import catalogue
 from .. import is_django_redis
-from ..base import timeout_option
+from .bounded import deadline_option
+from .clients import cache_primary, rebuildable
 
 __all__ = ["check_cache"]
 
@@ -32,26 +33,41 @@ def check_cache(options: Mapping[str, Any], setting: str) -> list[Any]:
 
 
 def _check_timeout(options: Mapping[str, Any], setting: str, alias: str, cache_options: Mapping[str, Any]) -> list[Any]:
-    """TIMEOUT is valid, and the socket timeouts (what bounds a connect or a topology read) are within it."""
+    """TIMEOUT is valid, and the socket timeouts (what bounds a connect or a topology read) are within it.
+
+    Where the cache sets no SOCKET_TIMEOUT, the backend's own connections get the
+    deadline's (``clients``): only what the cache sets, or a cache the backend cannot
+    build a client of its own for, can outlast it.
+    """
     try:
-        timeout = timeout_option(options.get("TIMEOUT"), setting)
+        timeout = deadline_option(options, setting)
     except ValueError as exc:
         return [catalogue.E029(error=exc)]
     if timeout is None:
         return []
     read = cache_options.get("SOCKET_TIMEOUT") or None
     connect = cache_options.get("SOCKET_CONNECT_TIMEOUT") or None
+    filled = read is None and _rebuildable(alias, setting)
     problems = []
     # redis-py connects within SOCKET_TIMEOUT when no connect timeout is given.
     if connect is not None and (not isinstance(connect, (int, float)) or connect > timeout):
         problems.append(f"SOCKET_CONNECT_TIMEOUT = {connect!r}")
     if read is None:
-        problems.append("no SOCKET_TIMEOUT" + ("" if connect else " nor SOCKET_CONNECT_TIMEOUT"))
+        if not filled:
+            problems.append("no SOCKET_TIMEOUT" + ("" if connect else " nor SOCKET_CONNECT_TIMEOUT"))
     elif not isinstance(read, (int, float)) or read > timeout:
         problems.append(f"SOCKET_TIMEOUT = {read!r}")
     if not problems:
         return []
-    return [catalogue.W022(timeout=f"{timeout:g}", alias=alias, problem=" and ".join(problems))]
+    given = f"{timeout:g} s" + ("" if "TIMEOUT" in options else " (the default)")
+    return [catalogue.W022(timeout=given, alias=alias, problem=" and ".join(problems))]
+
+
+def _rebuildable(alias: str, setting: str) -> bool:
+    try:
+        return rebuildable(cache_primary(alias, setting))
+    except Exception:  # no LOCATION, a factory that cannot be imported: what uses it says so
+        return False
 
 
 def _eviction_policy(alias: str) -> str | None:

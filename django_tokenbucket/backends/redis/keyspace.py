@@ -283,20 +283,29 @@ class KeyspaceListing:
             pattern = outer.pattern(_digest_glob(digest_prefix))
             found: dict[str, None] = {}
             count = min(SCAN_COUNT, max(10, page_size))
-            looked = 0
+            # What this node has shown of its density so far (each primary holds its own
+            # share of the limit's keys: a count fitted to one would overfill a page on another).
+            looked = found_here = 0
             deadline = time.monotonic() + self.scan_budget
             while True:
                 reply_cursor, keys = nodes[node_index].scan(cursor=scan_cursor, match=pattern, count=count)
                 scan_cursor = int(reply_cursor)
+                before = len(found)
                 found.update(dict.fromkeys(_text(key) for key in keys))
+                found_here += len(found) - before
                 looked += count
                 if scan_cursor == 0:
                     node_index += 1
+                    looked = found_here = 0
                     if node_index == len(nodes):
                         break
                 if len(found) >= page_size or time.monotonic() >= deadline:
                     break
-                count = _next_count(count, page_size - len(found), len(found), looked)
+                wanted = page_size - len(found)
+                if looked == 0:  # a new node: start as a page starts, for what is missing
+                    count = min(SCAN_COUNT, max(10, wanted))
+                else:
+                    count = _next_count(count, wanted, found_here, looked)
             keys = list(found)
             buckets = self._buckets(outer, keys, self._values(connection.client, keys))
             if node_index == len(nodes):

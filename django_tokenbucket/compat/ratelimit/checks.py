@@ -13,6 +13,7 @@ from django.utils.module_loading import import_string
 
 from ... import catalogue
 from . import stores
+from .core import ip_meta_key_problem
 from .decorators import MARK
 
 __all__ = ["check_ratelimit_compat"]
@@ -44,6 +45,10 @@ def check_ratelimit_compat(app_configs: Any = None, **kwargs: Any) -> list[check
         mask = getattr(settings, setting, bits if bits == 32 else 64)
         if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask <= bits:
             messages.append(catalogue.E041(setting=setting, bits=bits, value=mask))
+    source = getattr(settings, "RATELIMIT_IP_META_KEY", None)
+    problem = ip_meta_key_problem(source)
+    if problem is not None:
+        messages.append(catalogue.E043(value=source, header=problem.header, missing=problem.missing, fix=problem.fix))
     exception_class = getattr(settings, "RATELIMIT_EXCEPTION_CLASS", None)
     if isinstance(exception_class, str):
         try:

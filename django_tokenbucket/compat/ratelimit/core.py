@@ -17,7 +17,7 @@ import ipaddress
 import re
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 from django.conf import settings
 from django.core.cache import caches
@@ -37,7 +37,7 @@ from ...ip import client_address, parse_ip
 from ...keys import Redacted, encode_key
 from ...limits import LimitConfig
 from ...logs import current_request
-from ...request_keys import canonical_spec, normalize_identity, posted_field, user_pk_from_text
+from ...request_keys import canonical_spec, header_name, normalize_identity, posted_field, user_pk_from_text
 from ...settings import tokenbucket_settings
 from ...status import Status
 from . import ALL, UNSAFE, stores
@@ -90,13 +90,65 @@ def _mask(setting: str, default: int, bits: int) -> int:
     return mask
 
 
+class MetaKeyProblem(NamedTuple):
+    """Why ``RATELIMIT_IP_META_KEY`` cannot be trusted as it is, and what to set instead."""
+
+    header: str
+    missing: str
+    fix: str
+
+
+def ip_meta_key_problem(source: object) -> MetaKeyProblem | None:
+    """Return why ``RATELIMIT_IP_META_KEY`` = ``source`` would let clients choose their
+    address, or None (not a request header, or one ``TOKENBUCKET`` says how to trust).
+
+    A META key ``HTTP_*`` is a request header, which any client writes. django-ratelimit
+    took its value as the address; here it is mapped to the client-address settings
+    instead (``X-Forwarded-For`` to ``TRUSTED_PROXIES``, another header to ``IP_HEADER``
+    honoured from ``TRUSTED_PROXIES`` networks), and refused when they are not set.
+    """
+    if not isinstance(source, str) or not source.startswith("HTTP_"):
+        return None
+    header = "-".join(part.capitalize() for part in source[5:].split("_"))
+    trusted = tokenbucket_settings.TRUSTED_PROXIES
+    if header_name(header) == "x-forwarded-for":
+        if trusted:
+            return None
+        return MetaKeyProblem(
+            header,
+            "TOKENBUCKET['TRUSTED_PROXIES'] is not set",
+            "Remove RATELIMIT_IP_META_KEY and set TOKENBUCKET['TRUSTED_PROXIES'] to the number of proxies in front "
+            "of Django, or their CIDRs:",
+        )
+    ip_header = tokenbucket_settings.IP_HEADER
+    if isinstance(ip_header, str) and header_name(ip_header) == header_name(header):
+        if isinstance(trusted, (list, tuple)) and trusted:
+            return None
+    return MetaKeyProblem(
+        header,
+        f"TOKENBUCKET['IP_HEADER'] is not {header!r} with TRUSTED_PROXIES as the CIDRs of the proxies that set it",
+        f"Set TOKENBUCKET['IP_HEADER'] = {header!r} and TOKENBUCKET['TRUSTED_PROXIES'] to the CIDRs of the "
+        "proxies that set it (and remove RATELIMIT_IP_META_KEY):",
+    )
+
+
 def _get_ip(request: HttpRequest) -> str:
     """Return the client's address, masked by ``RATELIMIT_IPV4_MASK``/``RATELIMIT_IPV6_MASK``.
 
     Without ``RATELIMIT_IP_META_KEY`` the address is the one ``django_tokenbucket.ip``
-    trusts: ``REMOTE_ADDR``, or the hop ``TOKENBUCKET["TRUSTED_PROXIES"]`` points to.
+    trusts: ``REMOTE_ADDR``, or the hop ``TOKENBUCKET["TRUSTED_PROXIES"]`` points to. A
+    META key naming a request header is mapped to those settings, or refused when they
+    do not say which proxies set it (``ip_meta_key_problem``; check E043).
     """
     source = getattr(settings, "RATELIMIT_IP_META_KEY", None)
+    problem = ip_meta_key_problem(source)
+    if problem is not None:
+        raise ImproperlyConfigured(
+            f"RATELIMIT_IP_META_KEY = {source!r} reads the {problem.header} header, which clients write "
+            f"themselves, and {problem.missing}. {problem.fix} the address is then read from what your proxies wrote"
+        )
+    if isinstance(source, str) and source.startswith("HTTP_"):
+        source = None  # mapped: TRUSTED_PROXIES and IP_HEADER say which hop to believe
     if not source:
         address = client_address(request)
         if address is None:

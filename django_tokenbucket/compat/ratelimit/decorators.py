@@ -13,6 +13,7 @@ from django.utils.module_loading import import_string
 
 from ... import registry
 from ...exceptions import RateLimited
+from ...request_keys import note_view_key
 from . import ALL, UNSAFE
 from .core import _group_of, _last_status, is_ratelimited
 from .exceptions import Ratelimited
@@ -42,6 +43,7 @@ def ratelimit(
         # made by exec() has no module to name its group by; its first request does.)
         if group is not None or isinstance(getattr(fn, "__module__", None), str):
             registry.record_compat_group(group if group is not None else _group_of(fn))
+        note_view_key(f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}", key)  # for W005
 
         def limited(request: HttpRequest) -> bool:
             old_limited = getattr(request, "limited", False)

@@ -1,6 +1,7 @@
 """``manage.py tokenbucket list|show|reset|cleanup``: inspect and maintain rate limits;
 ``override|exempt|block|unblock|overrides``: runtime overrides (``management/overrides.py``);
-``top|stats``: who is being limited, from the analytics (``management/analytics.py``).
+``top|stats``: who is being limited, from the analytics (``management/analytics.py``);
+``unlock``: end a login lockout (``management/login.py``).
 
 Keys on the command line are strings: ``tokenbucket show login alice`` is the bucket of
 ``limiter.limit("login", key="alice")``; an int or a UUID key is the bucket of its text
@@ -56,6 +57,8 @@ from ...registry import CALL_SITES, KnownLimit, interpret, known_limits, plan_ba
 from ...text import describe_rate, format_duration, format_tokens, printable
 from ..analytics import SUBCOMMANDS as ANALYTICS_SUBCOMMANDS
 from ..analytics import AnalyticsCommands, add_analytics_parsers
+from ..login import SUBCOMMANDS as LOGIN_SUBCOMMANDS
+from ..login import LoginCommands, add_login_parsers
 from ..overrides import SUBCOMMANDS, OverrideCommands, add_override_parsers
 
 _JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"
@@ -71,7 +74,7 @@ def _from_json(value: Any) -> Any:
         raise CommandError(f"--json: {exc} ({_JSON_HINT})") from None
 
 
-class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
+class Command(LoginCommands, AnalyticsCommands, OverrideCommands, BaseCommand):
     help = "List, inspect, reset and clean up rate limits, and override them (see docs/operations.md)."
 
     def add_arguments(self, parser: ArgumentParser) -> None:
@@ -90,7 +93,7 @@ class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
         # Accepted after the subcommand, where people type it.
         common = ArgumentParser(add_help=False, parents=[django_options])
         common.add_argument("--database", help="Database alias of the RateLimit table (default: the backend's).")
-        names = ",".join(("list", "show", "reset", "cleanup", *SUBCOMMANDS, *ANALYTICS_SUBCOMMANDS))
+        names = ",".join(("list", "show", "reset", "cleanup", *SUBCOMMANDS, *ANALYTICS_SUBCOMMANDS, *LOGIN_SUBCOMMANDS))
         sub = parser.add_subparsers(dest="subcommand", required=True, metavar=f"{{{names}}}")
 
         listing = sub.add_parser(
@@ -154,6 +157,7 @@ class Command(AnalyticsCommands, OverrideCommands, BaseCommand):
         # Overrides live in the overrides' database, whatever backend decides: no --database.
         add_override_parsers(sub, django_options)
         add_analytics_parsers(sub, django_options)
+        add_login_parsers(sub, django_options)
 
     def handle(self, *args: Any, **options: Any) -> None:
         database = options.get("database")
