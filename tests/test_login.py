@@ -359,7 +359,7 @@ def test_a_process_that_has_not_read_the_block_refuses_before_checking(protected
         for _ in range(3):
             authenticate(username="victim", password="wrong")
         stale = overrides._snapshot
-        overrides._install(0, [])  # this process forgets the block, as one that has not read it yet
+        overrides._snapshot = overrides._Snapshot()  # this process forgets the block, as one that has not read it yet
         overrides._due = float("inf")
         try:
             assert authenticate(username="victim", password="right") is None
