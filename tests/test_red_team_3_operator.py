@@ -19,15 +19,13 @@ Redis too.
 
 from __future__ import annotations
 
-import re
 import tracemalloc
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from io import StringIO
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management import CommandError, call_command
+from django.core.management import CommandError
 
 from django_tokenbucket import limiter, overrides
 from django_tokenbucket.algorithms import MICRO
@@ -38,6 +36,8 @@ from django_tokenbucket.override_operations import factor_of, numbers_from_text,
 from django_tokenbucket.testing import frozen_clock
 
 from .test_admin import client_for, make_user
+from .test_overrides_admin import add_form, errors
+from .test_overrides_command import run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -59,10 +59,6 @@ def clock():
     overrides.invalidate()
 
 
-def run(*args: str) -> str:
-    out = StringIO()
-    call_command("tokenbucket", *args, stdout=out, stderr=out)
-    return out.getvalue()
 
 
 def assert_inert(output: str) -> None:
@@ -80,26 +76,6 @@ def allocated(call) -> int:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     return peak
-
-
-def add_form(**fields) -> dict:
-    return {
-        "name": "login",
-        "key_text": "",
-        "action": "block",
-        "rate": "",
-        "capacity": "",
-        "max_reserved": "",
-        "duration": "",
-        "expires_at_0": "",
-        "expires_at_1": "",
-        "reason": "",
-        **fields,
-    }
-
-
-def errors(response) -> str:
-    return " ".join(re.findall(r'<ul class="errorlist[^"]*"[^>]*>(.*?)</ul>', response.content.decode(), re.S))
 
 
 # -- 3. operator text drives the terminal ---------------------------------------------------
