@@ -45,6 +45,7 @@ def test_the_test_command_installs_only_what_the_envs_asked_for_need(tmp_path, e
     with none of those tools on the PATH and ``apt-get`` recording what it is asked
     (the script stops before tox: TOKENBUCKET_TEST_PLAN), as root, as CI runs it."""
     import os
+    import shutil
     import subprocess
 
     bin_dir = tmp_path / "bin"
@@ -55,8 +56,12 @@ def test_the_test_command_installs_only_what_the_envs_asked_for_need(tmp_path, e
     (bin_dir / "id").write_text("#!/bin/sh\necho 0\n")  # as root, as CI runs it: it may install
     for stub in ("apt-get", "pkg-config", "id"):
         (bin_dir / stub).chmod(0o755)
+    # Only the tools the script runs before tox: whatever this machine has installed
+    # (Chromium, once CI has put it there) is not on this PATH.
+    for tool in ("bash", "dirname", "paste", "grep"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
     environment = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "PATH": str(bin_dir),
         "HOME": os.environ.get("HOME", "/root"),
         "TOKENBUCKET_TEST_PLAN": "1",
     }
