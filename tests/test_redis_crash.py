@@ -42,7 +42,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -203,12 +203,12 @@ class Recorder:
 
 
 def sync_worker(
-    barrier, index: int, ports: dict[str, int], dead_port: int, dead_node: str, flag, started
+    barrier, index: int, ports: dict[str, int], dead_port: int, dead_node: str, flag, go
 ) -> dict[str, Any]:
     recorder = Recorder(ports, dead_port, dead_node, flag)
     with frozen_clock(T0):
-        warm_up(limiter.check)
-    meet(barrier, started)
+        warm_up()
+    meet(barrier, go)
     ends = time.monotonic() + BEFORE_KILL + AFTER_KILL
     i = index
     with frozen_clock(T0):
@@ -227,7 +227,7 @@ def sync_worker(
 
 
 def asyncio_worker(
-    barrier, index: int, ports: dict[str, int], dead_port: int, dead_node: str, flag, started
+    barrier, index: int, ports: dict[str, int], dead_port: int, dead_node: str, flag, go
 ) -> dict[str, Any]:
     recorder = Recorder(ports, dead_port, dead_node, flag)
     ends = 0.0
@@ -259,8 +259,8 @@ def asyncio_worker(
         nonlocal ends
         # This loop's client is built before the load starts (see warm_up), and the
         # processes meet with nothing else running on the loop.
-        await warm_up(limiter.acheck)
-        meet(barrier, started)
+        await awarm_up()
+        meet(barrier, go)
         ends = time.monotonic() + BEFORE_KILL + AFTER_KILL
         await asyncio.gather(*(task(index * TASKS + n) for n in range(TASKS)))
 
@@ -269,21 +269,35 @@ def asyncio_worker(
     return recorder.result()
 
 
-def warm_up(check: Callable[..., Any]) -> Any:
-    """Decide once before the load, on the process's (or event loop's) own client.
+def warm_up() -> None:
+    """Decide once before the load, on the process's own client.
 
     A process's first call builds its client: the cache's classes imported, the cluster's
-    topology read. That is synchronous work an event loop cannot interrupt, which on a
-    machine with a cold disk cache (the first env of a CI run) held a first call 1.2 s
-    past its deadline. It happens once per process, before any crash; what is measured
-    here is the crash.
+    topology read. On asyncio that is synchronous work the event loop cannot interrupt,
+    which on a machine with a cold disk cache (the first env of a CI run) held a first
+    call 1.2 s past its deadline. It happens once per process (per event loop), before any
+    crash; what is measured here is the crash. The call may itself fail at its deadline
+    for the same reason: the client stays built, and a worker that stopped here would
+    leave the others waiting at the barrier.
     """
-    return check("crash", KEYS[0], config=LIMIT)
+    try:
+        limiter.check("crash", KEYS[0], config=LIMIT)
+    except BackendUnavailable:
+        pass
 
 
-def meet(barrier, started) -> None:
+async def awarm_up() -> None:
+    """``warm_up`` on the running event loop's client."""
+    try:
+        await limiter.acheck("crash", KEYS[0], config=LIMIT)
+    except BackendUnavailable:
+        pass
+
+
+def meet(barrier, go) -> None:
+    """Wait for the other workers; then tell the killer that the load has started."""
     barrier.wait()
-    started.set()
+    go.set()
 
 
 class Killer(threading.Thread):
