@@ -25,8 +25,6 @@ from typing import Any, Union
 from uuid import UUID
 
 from django.conf import settings
-from django.core.signals import setting_changed
-from django.dispatch import receiver
 
 __all__ = [
     "LABEL_LENGTH",
@@ -34,11 +32,13 @@ __all__ = [
     "EncodedKey",
     "Key",
     "Redacted",
+    "after_fork_in_child",
     "as_typed",
     "encode_key",
     "is_request_data_key",
     "key_from_json",
     "label_as_typed",
+    "settings_changed",
     "unredacted",
 ]
 
@@ -68,6 +68,7 @@ class Redacted(str):
     def __reduce__(self) -> tuple[type[Redacted], tuple[str]]:
         # Pickled with its value (a Celery reservation carries its key to the worker).
         return (Redacted, (str.__str__(self),))
+
 
 #: How much of a key is kept, readable, beside its digest (for the admin and logs).
 LABEL_LENGTH = 64
@@ -105,9 +106,7 @@ def _encode(key: object, out: bytearray) -> None:
             _encode(part, out)
         return
     else:
-        raise TypeError(
-            f"a key must be None, str, bytes, int, UUID or a tuple of these, not {type(key).__name__}"
-        )
+        raise TypeError(f"a key must be None, str, bytes, int, UUID or a tuple of these, not {type(key).__name__}")
     out += tag + b"%d:" % len(data) + data
 
 
@@ -118,9 +117,7 @@ SECRET_KINDS = ("header:", "get:", "post:", "username")
 
 def is_request_data_key(key: object) -> bool:
     """Whether ``key`` holds a value a request sent (a header, a query or form field)."""
-    return (
-        isinstance(key, tuple) and len(key) > 1 and isinstance(key[0], str) and key[0].startswith(SECRET_KINDS)
-    )
+    return isinstance(key, tuple) and len(key) > 1 and isinstance(key[0], str) and key[0].startswith(SECRET_KINDS)
 
 
 def key_from_json(value: object) -> object:
@@ -262,12 +259,19 @@ def _digest(data: bytes) -> str:
     return str(outer.hexdigest())
 
 
-@receiver(setting_changed)
-def _forget_secret(*, setting: str, **kwargs: Any) -> None:
+def settings_changed() -> None:
+    """Forget the secret (``KEY_SECRET``, ``SECRET_KEY``) and the keys encoded with it
+    (``django_tokenbucket.lifecycle``)."""
     global _prepared
-    if setting in ("TOKENBUCKET", "SECRET_KEY"):
-        _prepared = None
-        _recent.clear()
+    _prepared = None
+    _recent.clear()
+
+
+def after_fork_in_child() -> None:
+    """Give a forked child a lock of its own (``django_tokenbucket.lifecycle``)."""
+    global _prepared_lock
+    # A fork while another thread prepared the secret would leave the child's copy held.
+    _prepared_lock = threading.Lock()
 
 
 def _cacheable_pair(key: tuple[object, ...]) -> bool:

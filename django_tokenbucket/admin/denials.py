@@ -208,4 +208,3 @@ def _key_rows(
 ) -> Iterable[KeyRow]:
     for row in keys:
         yield KeyRow(_key_html(row.label, row.digest), row.digest, row.denied, bucket_url(alias, row.digest))
-

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 import threading
 import time
@@ -38,6 +37,7 @@ __all__ = [
     "Outcome",
     "Request",
     "StoredBucket",
+    "after_fork_in_child",
     "checked_digests",
     "decide_all",
     "row_id",
@@ -256,12 +256,14 @@ class Answers:
         return time.monotonic() - self.at <= BUSY_WINDOW
 
     @classmethod
-    def _forget_all(cls) -> None:
+    def forget_all(cls) -> None:
         for answers in list(cls._every):
             answers.at = -math.inf
 
 
-os.register_at_fork(after_in_child=Answers._forget_all)
+def after_fork_in_child() -> None:
+    """Start a forked child with no evidence that any store answers (``django_tokenbucket.lifecycle``)."""
+    Answers.forget_all()
 
 
 def row_id(request: Request) -> RowId:
@@ -282,16 +284,12 @@ def decide_all(
     decisions = []
     for request in requests:
         rid = row_id(request)
-        decision = request.config.decide(
-            current.get(rid), now, request.count, request.key.digest, request.reserve
-        )
+        decision = request.config.decide(current.get(rid), now, request.count, request.key.digest, request.reserve)
         decisions.append(decision)
         if decision.allowed:
             current[rid] = decision.state
     if all(decision.allowed for decision in decisions):
-        writes = {
-            rid: state for rid, state in current.items() if state is not None and state != states.get(rid)
-        }
+        writes = {rid: state for rid, state in current.items() if state is not None and state != states.get(rid)}
         return decisions, writes
 
     # Denied: report each allowed-alone limit as it stands, untouched.
@@ -503,9 +501,7 @@ class BaseBackend(ABC):
         Returns the state after the refund as the decision of a zero-token call. Backends
         that cannot return tokens raise NotImplementedError (the default).
         """
-        raise NotImplementedError(
-            f"{type(self).__name__} cannot return tokens (refund); the database backend can"
-        )
+        raise NotImplementedError(f"{type(self).__name__} cannot return tokens (refund); the database backend can")
 
 
 class RecentDenials:
