@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import sys
-from functools import reduce
 from typing import Any
 
 from django.core.signals import setting_changed
@@ -77,9 +76,12 @@ AFTER_FORK: tuple[tuple[str, str], ...] = (
 
 
 def _call(module: str, function: str) -> None:
-    loaded = sys.modules.get(module)
-    if loaded is not None:  # never imported: nothing held
-        reduce(getattr, function.split("."), loaded)()
+    found: Any = sys.modules.get(module)
+    if found is None:
+        return  # never imported: nothing held
+    for name in function.split("."):
+        found = getattr(found, name)
+    found()
 
 
 def setting_changed_receiver(*, setting: str, **kwargs: Any) -> None:

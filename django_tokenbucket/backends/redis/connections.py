@@ -151,10 +151,11 @@ _spares_made = threading.Lock()
 
 
 def after_fork_in_child() -> None:
-    """Give a forked child a lock of its own (``django_tokenbucket.lifecycle``)."""
-    # A fork while another thread held the lock would leave the child's copy held.
+    """Give a forked child locks of its own (``django_tokenbucket.lifecycle``)."""
+    # A fork while another thread held a lock would leave the child's copy held.
     global _spares_made
     _spares_made = threading.Lock()
+    ClusterConnectionFactory._lock = threading.Lock()
 
 
 def _spares_of(pool: Any) -> _Spares | None:
