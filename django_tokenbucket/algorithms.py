@@ -345,7 +345,9 @@ def fixed_window_refund(
     """
     if amount < 0:
         raise ValueError(f"a refund must not be negative, not {amount!r}")
-    current = fixed_window(state, now, 0, rate=rate, period=period, capacity=capacity, offset=offset, reserve=True)
+    current = fixed_window(
+        state, now, 0, rate=rate, period=period, capacity=capacity, offset=offset, reserve=True
+    )
     assert current.state is not None  # uncapped reservations always allow a zero count
     return State(min(capacity, current.value + amount), current.state.ts)
 

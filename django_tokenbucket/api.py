@@ -239,7 +239,9 @@ class Limiter:
         """``check()`` for async code."""
         return await self._adrive(self._one(name, key, count, reserve, config, apply=False, throws=throws))
 
-    def limit_many(self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False) -> MultiStatus:
+    def limit_many(
+        self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
+    ) -> MultiStatus:
         """Take tokens from several limits all-or-nothing: one denial consumes none.
 
         ``requests`` are LimitRequest objects or ``(name, key[, count])`` tuples.
@@ -252,7 +254,9 @@ class Limiter:
         """``limit_many()`` for async code."""
         return await self._adrive(self._many([self._as_request(r) for r in requests], apply=True, throws=throws))
 
-    def check_many(self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False) -> MultiStatus:
+    def check_many(
+        self, requests: Iterable[LimitRequest | Sequence[Any]], *, throws: bool = False
+    ) -> MultiStatus:
         """Return what ``limit_many()`` would, changing nothing."""
         return self._decide_many([self._as_request(r) for r in requests], apply=False, throws=throws)
 
@@ -286,7 +290,9 @@ class Limiter:
         """``reset()`` for async code."""
         await self._adrive(self._reset(name, key, config))
 
-    def refund(self, name: str, key: object = None, count: int | float = 1, config: ConfigSpec | None = None) -> Status:
+    def refund(
+        self, name: str, key: object = None, count: int | float = 1, config: ConfigSpec | None = None
+    ) -> Status:
         """Give ``count`` unused tokens back to limit ``name`` for ``key``, up to its capacity.
 
         For work that reserved more than it used (an LLM call that reserved 4,000 tokens
@@ -755,7 +761,9 @@ class Limiter:
             (item,) = items
             limit = self._resolve_one(item.name, item.reserve, item.config)
             if limit.shards == 1:
-                status = self._decide_unsharded(limit, item.key, item.count, item.reserve, apply=apply, throws=throws)
+                status = self._decide_unsharded(
+                    limit, item.key, item.count, item.reserve, apply=apply, throws=throws
+                )
                 return MultiStatus((status,))
         return self._drive(self._many(items, apply=apply, throws=throws))
 

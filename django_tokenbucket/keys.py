@@ -69,7 +69,6 @@ class Redacted(str):
         # Pickled with its value (a Celery reservation carries its key to the worker).
         return (Redacted, (str.__str__(self),))
 
-
 #: How much of a key is kept, readable, beside its digest (for the admin and logs).
 LABEL_LENGTH = 64
 
@@ -106,7 +105,9 @@ def _encode(key: object, out: bytearray) -> None:
             _encode(part, out)
         return
     else:
-        raise TypeError(f"a key must be None, str, bytes, int, UUID or a tuple of these, not {type(key).__name__}")
+        raise TypeError(
+            f"a key must be None, str, bytes, int, UUID or a tuple of these, not {type(key).__name__}"
+        )
     out += tag + b"%d:" % len(data) + data
 
 
@@ -117,7 +118,9 @@ SECRET_KINDS = ("header:", "get:", "post:", "username")
 
 def is_request_data_key(key: object) -> bool:
     """Whether ``key`` holds a value a request sent (a header, a query or form field)."""
-    return isinstance(key, tuple) and len(key) > 1 and isinstance(key[0], str) and key[0].startswith(SECRET_KINDS)
+    return (
+        isinstance(key, tuple) and len(key) > 1 and isinstance(key[0], str) and key[0].startswith(SECRET_KINDS)
+    )
 
 
 def key_from_json(value: object) -> object:

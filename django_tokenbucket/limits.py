@@ -241,10 +241,13 @@ def parse_limit(name: object, spec: object) -> LimitConfig:
     """
     if not isinstance(name, str) or not name or name != name.strip() or not name.isprintable():
         raise ImproperlyConfigured(
-            f"rate limit name {shown(name)} must be a non-empty printable string without leading or trailing spaces"
+            f"rate limit name {shown(name)} must be a non-empty printable string without "
+            f"leading or trailing spaces"
         )
     if len(name) > MAX_NAME_LENGTH:
-        raise ImproperlyConfigured(f"rate limit name {name[:40]!r}... is longer than {MAX_NAME_LENGTH} characters")
+        raise ImproperlyConfigured(
+            f"rate limit name {name[:40]!r}... is longer than {MAX_NAME_LENGTH} characters"
+        )
     try:
         return _parse_spec(name, spec)
     except (ValueError, TypeError) as exc:
@@ -274,7 +277,9 @@ def _parse_spec(name: str, spec: object) -> LimitConfig:
     rate_given = spec["rate"]
     if isinstance(rate_given, str):
         if "period" in spec:
-            raise ValueError(f"give the period either in the rate string {shown(rate_given)} or as 'period', not both")
+            raise ValueError(
+                f"give the period either in the rate string {shown(rate_given)} or as 'period', not both"
+            )
         tokens, period_s = parse_rate(rate_given)
     else:
         tokens = to_fraction(rate_given, "rate")

@@ -431,9 +431,15 @@ class OpenTelemetryRecorder:
 
     def __init__(self) -> None:
         meter = opentelemetry_metrics.get_meter("django_tokenbucket")
-        self._decisions = meter.create_counter("tokenbucket.decisions", unit="{decision}", description=DECISIONS_HELP)
-        self._errors = meter.create_counter("tokenbucket.store_errors", unit="{error}", description=ERRORS_HELP)
-        self._seconds = meter.create_histogram("tokenbucket.decision.duration", unit="s", description=SECONDS_HELP)
+        self._decisions = meter.create_counter(
+            "tokenbucket.decisions", unit="{decision}", description=DECISIONS_HELP
+        )
+        self._errors = meter.create_counter(
+            "tokenbucket.store_errors", unit="{error}", description=ERRORS_HELP
+        )
+        self._seconds = meter.create_histogram(
+            "tokenbucket.decision.duration", unit="s", description=SECONDS_HELP
+        )
         self._reservations = meter.create_counter(
             "tokenbucket.reservations", unit="{reservation}", description=RESERVATIONS_HELP
         )

@@ -132,7 +132,7 @@ def key_from_spec(name: str, text: str) -> object:
 #: How an operator may write a key (the admin's choice; the command's KEY, --key, --json).
 KEY_FORMS = {
     "auto": "SPEC=VALUE as a view's key= builds it (ip=…, user=…, header:…=…), else the text",
-    "text": 'the text, as passed to the API: 42 and "42" are one bucket, a UUID its text',
+    "text": "the text, as passed to the API: 42 and \"42\" are one bucket, a UUID its text",
     "json": 'JSON, as passed to the API: 42, "alice", ["tenant", 7] (a tuple)',
 }
 

@@ -37,7 +37,9 @@ UNIT_SPELLINGS = "; ".join(
 )
 
 _RATE_RE = re.compile(
-    r"(?P<count>[0-9]+)/(?P<multiplier>[0-9]+)?(?P<unit>" + "|".join(sorted(UNIT_SECONDS, key=len, reverse=True)) + ")",
+    r"(?P<count>[0-9]+)/(?P<multiplier>[0-9]+)?(?P<unit>"
+    + "|".join(sorted(UNIT_SECONDS, key=len, reverse=True))
+    + ")",
     re.ASCII,
 )
 

@@ -23,7 +23,9 @@ from typing import Any
 try:
     from celery import shared_task
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("django_tokenbucket.tasks needs Celery: pip install 'dj-tokenbucket[celery]'") from exc
+    raise ImportError(
+        "django_tokenbucket.tasks needs Celery: pip install 'dj-tokenbucket[celery]'"
+    ) from exc
 
 from .celery import RUN_RESERVATION_TASK, run_reservation_work, sweep
 from .cleanup import MAX_BATCH_SIZE, cleanup

@@ -154,7 +154,9 @@ class BucketOverrides(BucketAdminViews):
         )
         return HttpResponseRedirect(back)
 
-    def _save(self, request: HttpRequest, known: KnownLimit, digest: str, action: str, backend: Any) -> LimitOverride:
+    def _save(
+        self, request: HttpRequest, known: KnownLimit, digest: str, action: str, backend: Any
+    ) -> LimitOverride:
         text = request.POST.get("for", "").strip()
         until: timedelta | None = parse_duration(text) if text else None
         limit = limiter.resolve(known.name)

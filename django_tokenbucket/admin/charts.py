@@ -70,7 +70,9 @@ def bars(counts: Sequence[MinuteCounts], per: int = 1) -> list[Bar]:
     result = []
     for start in range(0, len(ordered), per):
         group = ordered[start : start + per]
-        result.append(Bar(group[0].minute, per, sum(row.allowed for row in group), sum(row.denied for row in group)))
+        result.append(
+            Bar(group[0].minute, per, sum(row.allowed for row in group), sum(row.denied for row in group))
+        )
     return result
 
 

@@ -208,3 +208,4 @@ def _key_rows(
 ) -> Iterable[KeyRow]:
     for row in keys:
         yield KeyRow(_key_html(row.label, row.digest), row.digest, row.denied, bucket_url(alias, row.digest))
+

@@ -39,7 +39,9 @@ class LimitsOverview(BucketOverrides, BucketActions):
             path("buckets/<str:alias>/", wrap(self.buckets_view), name=f"{prefix}_buckets"),
             path("buckets/<str:alias>/key/", wrap(self.bucket_view), name=f"{prefix}_bucket"),
             path("buckets/<str:alias>/reset/", wrap(self.bucket_reset_view), name=f"{prefix}_bucket_reset"),
-            path("buckets/<str:alias>/override/", wrap(self.bucket_override_view), name=f"{prefix}_bucket_override"),
+            path(
+                "buckets/<str:alias>/override/", wrap(self.bucket_override_view), name=f"{prefix}_bucket_override"
+            ),
             path("limits/", wrap(self.limits_view), name=f"{prefix}_limits"),
             path("limits/<path:name>/", wrap(self.limit_view), name=f"{prefix}_limit"),
             path("<path:object_id>/reset/", wrap(self.reset_view), name=f"{prefix}_reset"),
@@ -168,7 +170,9 @@ class LimitsOverview(BucketOverrides, BucketActions):
             keys_url = self._url("buckets", known.config.backend, name=name)
         status = analytics_status()
         denials = (
-            limit_denials(known, self._denied_key_url(known)) if status["analytics_on"] and known is not None else None
+            limit_denials(known, self._denied_key_url(known))
+            if status["analytics_on"] and known is not None
+            else None
         )
         return TemplateResponse(
             request,

@@ -60,6 +60,7 @@ from .display import _DIGEST
 __all__ = ["LimitOverrideAdmin", "OverrideAddForm", "OverrideChangeForm"]
 
 
+
 def _tokens(label: Any, help_text: Any) -> forms.DecimalField:
     """An amount of tokens, to the micro-token; empty: the limit's own."""
     return forms.DecimalField(
@@ -110,7 +111,9 @@ class OverrideAddForm(_NoModelValidation):
             KEY_HINT,
         ),
     )
-    key_form = forms.ChoiceField(label=_("written as"), choices=list(KEY_FORMS.items()), initial="auto", required=False)
+    key_form = forms.ChoiceField(
+        label=_("written as"), choices=list(KEY_FORMS.items()), initial="auto", required=False
+    )
     action = forms.ChoiceField(label=_("action"), choices=LimitOverride.Action.choices)
     rate = forms.CharField(
         label=_("rate"), required=False, help_text=_("Action “limit”: a rate string, e.g. 100/m (empty: the limit's).")
@@ -203,7 +206,9 @@ class OverrideChangeForm(_NoModelValidation):
     )
     capacity = _tokens(_("capacity"), _("Empty: the limit's."))
     max_reserved = _tokens(_("max reserved"), _("Empty: the limit's."))
-    duration = forms.CharField(label=_("for"), required=False, help_text=format_lazy(_("From now: {}."), DURATION_HINT))
+    duration = forms.CharField(
+        label=_("for"), required=False, help_text=format_lazy(_("From now: {}."), DURATION_HINT)
+    )
     expires_at = forms.SplitDateTimeField(
         label=_("expires"), required=False, widget=widgets.AdminSplitDateTime, help_text=_("Empty: never.")
     )
@@ -247,9 +252,9 @@ class OverrideChangeForm(_NoModelValidation):
         numbers = ("rate", "capacity", "max_reserved")
         if row.action == overrides.LIMIT and any(number in self.changed_data for number in numbers):
             if self.limit is None:
-                self.add_error(
-                    None, _("Limit “%(name)s” is not configured: its numbers cannot be checked.") % {"name": row.name}
-                )
+                self.add_error(None, _("Limit “%(name)s” is not configured: its numbers cannot be checked.") % {
+                    "name": row.name
+                })
                 return data
             try:
                 changes.update(
@@ -395,17 +400,8 @@ class LimitOverrideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def get_readonly_fields(self, request: HttpRequest, obj: LimitOverride | None = None) -> Any:
         if obj is None:
             return ()
-        return (
-            "name",
-            "key_shown",
-            "key",
-            "action",
-            "numbers_now",
-            "expires_now",
-            "created_by",
-            "created_at",
-            "updated_at",
-        )
+        return ("name", "key_shown", "key", "action", "numbers_now", "expires_now", "created_by", "created_at",
+                "updated_at")
 
     @admin.display(description=_("in force now"))
     def numbers_now(self, obj: LimitOverride) -> str:
@@ -478,3 +474,4 @@ class LimitOverrideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         with transaction.atomic(using=overrides.database_alias()):
             for row in queryset:
                 overrides.delete(row.name, row.key)
+

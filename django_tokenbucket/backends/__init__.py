@@ -70,7 +70,8 @@ def get_backend(alias: str = DEFAULT_BACKEND_ALIAS) -> BaseBackend:
             configured = tokenbucket_settings.backends()
             if alias not in configured:
                 raise ImproperlyConfigured(
-                    f"no rate-limit backend {alias!r}: TOKENBUCKET['BACKENDS'] has {', '.join(map(repr, configured))}"
+                    f"no rate-limit backend {alias!r}: TOKENBUCKET['BACKENDS'] has "
+                    f"{', '.join(map(repr, configured))}"
                 )
             path, options, where = configured[alias]
             found = backend_class(path, f"{where}['BACKEND']")

@@ -284,12 +284,16 @@ def decide_all(
     decisions = []
     for request in requests:
         rid = row_id(request)
-        decision = request.config.decide(current.get(rid), now, request.count, request.key.digest, request.reserve)
+        decision = request.config.decide(
+            current.get(rid), now, request.count, request.key.digest, request.reserve
+        )
         decisions.append(decision)
         if decision.allowed:
             current[rid] = decision.state
     if all(decision.allowed for decision in decisions):
-        writes = {rid: state for rid, state in current.items() if state is not None and state != states.get(rid)}
+        writes = {
+            rid: state for rid, state in current.items() if state is not None and state != states.get(rid)
+        }
         return decisions, writes
 
     # Denied: report each allowed-alone limit as it stands, untouched.
@@ -501,7 +505,9 @@ class BaseBackend(ABC):
         Returns the state after the refund as the decision of a zero-token call. Backends
         that cannot return tokens raise NotImplementedError (the default).
         """
-        raise NotImplementedError(f"{type(self).__name__} cannot return tokens (refund); the database backend can")
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot return tokens (refund); the database backend can"
+        )
 
 
 class RecentDenials:

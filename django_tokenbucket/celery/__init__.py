@@ -31,7 +31,9 @@ try:
     from celery.canvas import Signature
     from celery.exceptions import Ignore
 except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError(f"django_tokenbucket.celery needs Celery: pip install 'dj-tokenbucket[celery]' ({exc})") from exc
+    raise ImportError(
+        f"django_tokenbucket.celery needs Celery: pip install 'dj-tokenbucket[celery]' ({exc})"
+    ) from exc
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
@@ -238,25 +240,21 @@ def _record_reservation(
     eta = _EPOCH + timedelta(microseconds=now_us + wait_us + jitter_us)
     held = (eta - timezone.now()).total_seconds() > max_eta()
     try:
-        reservation = (
-            reservation_model()
-            .objects.using(alias)
-            .create(
-                **({} if pk is None else {"pk": pk}),
-                name=limit.name,
-                key=encoded.digest,
-                label=encoded.label,
-                limit=reservations.snapshot(limit, inline=inline),
-                count=reserved,
-                eta=eta,
-                status="scheduled" if held else "sent",
-                sent_at=None if held else timezone.now(),
-                publish_count=0 if held else 1,
-                task=stored_signature["task"],
-                signature=stored_signature,
-                atomic=atomic,
-                refund_on_failure=refund_on_failure,
-            )
+        reservation = reservation_model().objects.using(alias).create(
+            **({} if pk is None else {"pk": pk}),
+            name=limit.name,
+            key=encoded.digest,
+            label=encoded.label,
+            limit=reservations.snapshot(limit, inline=inline),
+            count=reserved,
+            eta=eta,
+            status="scheduled" if held else "sent",
+            sent_at=None if held else timezone.now(),
+            publish_count=0 if held else 1,
+            task=stored_signature["task"],
+            signature=stored_signature,
+            atomic=atomic,
+            refund_on_failure=refund_on_failure,
         )
     except BaseException:
         # Committed tokens are the caller's to return after the rollback (a refund here would fail).
@@ -426,8 +424,7 @@ def _run_atomic(pk: Any, alias: str, body: Any, args: Any, kwargs: Any) -> Any:
 
 def _run_claimed(pk: Any, alias: str, body: Any, args: Any, kwargs: Any) -> Any:
     claimed = (
-        reservation_model()
-        .objects.using(alias)
+        reservation_model().objects.using(alias)
         .filter(pk=pk, status__in=WAITING)
         .update(status="running", started_at=timezone.now())
     )
@@ -450,8 +447,7 @@ def _failed(pk: Any, alias: str, exc: BaseException) -> None:
     try:
         with transaction.atomic(using=alias):
             row = (
-                reservation_model()
-                .objects.using(alias)
+                reservation_model().objects.using(alias)
                 .select_for_update()
                 .filter(pk=pk, status__in=(*WAITING, "running"))
                 .first()
@@ -528,7 +524,9 @@ def sweep(now: datetime | None = None) -> SweepReport:
     count_reservations("expired", report.expired)
 
     horizon = now + timedelta(seconds=max_eta())
-    report.published, errors = _publish_batches(alias, objects.filter(status="scheduled", eta__lte=horizon), batch, now)
+    report.published, errors = _publish_batches(
+        alias, objects.filter(status="scheduled", eta__lte=horizon), batch, now
+    )
     report.publish_errors += errors
     if not errors:
         overdue = now - timedelta(seconds=float(settings["REDELIVER_AFTER"]))

@@ -70,7 +70,6 @@ def reservation_model() -> type[Reservation]:
     and ``refund()`` call this module, which must not import the models back."""
     return apps.get_model("django_tokenbucket", "Reservation")
 
-
 #: ``TOKENBUCKET["CELERY"]``'s settings and their defaults (read by django_tokenbucket.celery).
 CELERY_DEFAULTS: dict[str, Any] = {
     # ETAs further away are kept in the database and published by the sweeper when

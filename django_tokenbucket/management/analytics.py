@@ -46,7 +46,9 @@ def add_analytics_parsers(sub: _SubParsersAction[ArgumentParser], parent: Argume
     stats = sub.add_parser("stats", parents=[parent], help=text, description=text)
     stats.add_argument("name", nargs="?", help="Only this limit, minute by minute.")
     stats.add_argument("--since", default="1h", help=f"How far back, up to 24h (default 1h; {DURATION_HINT}).")
-    stats.add_argument("--every", default="1m", help="With NAME: one line per this span (default 1m, e.g. 10m, 1h).")
+    stats.add_argument(
+        "--every", default="1m", help="With NAME: one line per this span (default 1m, e.g. 10m, 1h)."
+    )
     stats.add_argument("--json", action="store_true", dest="as_json", help="Print JSON.")
 
 
@@ -156,4 +158,6 @@ class AnalyticsCommands:
 
 def _sum(rows: list[MinuteCounts]) -> MinuteCounts:
     """The counts of consecutive minutes as one span, starting at the first."""
-    return MinuteCounts(rows[0].name, rows[0].minute, sum(row.allowed for row in rows), sum(row.denied for row in rows))
+    return MinuteCounts(
+        rows[0].name, rows[0].minute, sum(row.allowed for row in rows), sum(row.denied for row in rows)
+    )

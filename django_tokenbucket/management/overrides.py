@@ -60,7 +60,7 @@ def _add_key_forms(command: ArgumentParser) -> None:
     command.add_argument("key", nargs="?", help="The key, a string unless --int or --json; none: every key.")
     forms = command.add_mutually_exclusive_group()
     forms.add_argument("--int", action="store_true", dest="int_key", help="KEY is an integer (its digits' bucket).")
-    forms.add_argument("--json", action="store_true", dest="json_key", help='KEY is JSON (null, 42, "a", [...]).')
+    forms.add_argument("--json", action="store_true", dest="json_key", help="KEY is JSON (null, 42, \"a\", [...]).")
     forms.add_argument(
         "--key",
         dest="request_key",
@@ -174,7 +174,8 @@ class OverrideCommands:
             raise CommandError(str(exc)) from None
         whom = "every key" if key is None else f"key {as_typed(key)}"
         self.stdout.write(
-            f"{_PAST[action]} {name} {whom}: {describe_numbers(row, known.config)}, {_ending(describe_expiry(row))}."
+            f"{_PAST[action]} {name} {whom}: {describe_numbers(row, known.config)}, "
+            f"{_ending(describe_expiry(row))}."
         )
         if key is not None:
             self.stdout.write(f"It reaches {printable(reached(known.config, key))}.")
@@ -280,3 +281,5 @@ def _ending(expiry: str) -> str:
 def _max_age() -> str:
     settings = overrides.active()
     return "—" if settings is None else f"{settings.max_age:g}"
+
+

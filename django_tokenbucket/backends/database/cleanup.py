@@ -194,7 +194,9 @@ def _batch_once(walk: _Walk, after: tuple[int, int] | None) -> tuple[int, int, t
         if connection.features.has_select_for_update_skip_locked and not walk.dry_run:
             rows_qs = rows_qs.select_for_update(skip_locked=True)
         rows = list(rows_qs.values_list("pk", "key", "value", "ts")[:batch_size])
-        idle = [pk for pk, key, value, ts in rows if limit is None or is_idle(limit, State(value, ts), key, now)]
+        idle = [
+            pk for pk, key, value, ts in rows if limit is None or is_idle(limit, State(value, ts), key, now)
+        ]
         if idle and not walk.dry_run:
             RateLimit.objects.using(alias).filter(pk__in=idle).delete()
     last = (rows[-1][3], rows[-1][0]) if rows else None

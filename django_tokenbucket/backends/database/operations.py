@@ -92,7 +92,9 @@ class RowOperations:
 
         return self._store(count)
 
-    def rows_in_state(self, rows: QuerySet[Any], configs: Iterable[LimitConfig], state: str, now: int) -> QuerySet[Any]:
+    def rows_in_state(
+        self, rows: QuerySet[Any], configs: Iterable[LimitConfig], state: str, now: int
+    ) -> QuerySet[Any]:
         return rows.filter(state_q(configs, state, now))
 
     def reset_buckets(self, name: str, digests: Sequence[str]) -> int:

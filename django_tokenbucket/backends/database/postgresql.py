@@ -92,7 +92,8 @@ _ARGUMENT_TYPES = (
 )
 _STEP_ARGUMENT_TYPES = ", ".join(["text"] + ["numeric"] * 10)
 _SINGLE_ARGUMENT_TYPES = (
-    "text, text, text, text, bigint, bigint, bigint, bigint, bigint, bigint, bigint, bigint, bigint, boolean, boolean"
+    "text, text, text, text, bigint, bigint, bigint, bigint, bigint, bigint, bigint, bigint, bigint, "
+    "boolean, boolean"
 )
 
 
@@ -364,7 +365,9 @@ def _read_first(
     then None hands the decision to the general function, which decides under the lock.
     """
     config, digest = request.config, request.key.digest
-    now, value, ts, _ = fetch(connection, _Read, {"pinned": pinned_now, "name": config.name, "key": digest}, prepare, 3)
+    now, value, ts, _ = fetch(
+        connection, _Read, {"pinned": pinned_now, "name": config.name, "key": digest}, prepare, 3
+    )
     state = None if value is None else State(value, ts)
     # decide_all for one request, without its dicts: what changed is what to write.
     decision = config.decide(state, now, request.count, digest, request.reserve)
@@ -385,6 +388,8 @@ def _read_first(
         if written != 1:
             return None
     return Outcome([decision], now)
+
+
 
 
 # ---------------------------------------------------------------------------------------

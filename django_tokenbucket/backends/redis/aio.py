@@ -112,7 +112,9 @@ class AsyncioClients:
         #: The backend's TIMEOUT: what the socket timeouts the cache leaves unset become.
         self.deadline = deadline
         self._cluster_factory = cluster_factory
-        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClient] = weakref.WeakKeyDictionary()
+        self._by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClient] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
         #: Why the async API runs in a thread (settings it cannot mirror), or None.
         self.thread_reason: str | None = None

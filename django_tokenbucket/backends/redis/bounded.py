@@ -400,7 +400,9 @@ async def acluster_execute(client: Any, key: str, *args: Any, breakers: Breakers
         return reply
 
 
-def _slot_taken_over(client: Any, key: str, failed: str, deadline: float, timeout: float, breakers: Breakers) -> bool:
+def _slot_taken_over(
+    client: Any, key: str, failed: str, deadline: float, timeout: float, breakers: Breakers
+) -> bool:
     """Whether a live primary of the cluster says that another node than ``failed`` now
     serves ``key``'s slot (False when none answers: the slot is still failing).
 

@@ -61,7 +61,7 @@ from ..login import SUBCOMMANDS as LOGIN_SUBCOMMANDS
 from ..login import LoginCommands, add_login_parsers
 from ..overrides import SUBCOMMANDS, OverrideCommands, add_override_parsers
 
-_JSON_HINT = 'e.g. null, 42, "alice" or ["ip", "203.0.113.7"]'
+_JSON_HINT = "e.g. null, 42, \"alice\" or [\"ip\", \"203.0.113.7\"]"
 _REQUEST_KEY_HINT = "e.g. --key post:username=alice, --key ip=203.0.113.7, --key user=42"
 _DIGITS = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
 
@@ -104,7 +104,9 @@ class Command(LoginCommands, AnalyticsCommands, OverrideCommands, BaseCommand):
         for name, text in (("show", "Show a limit, or one key's state now."), ("reset", "Reset one key, or all.")):
             command = sub.add_parser(name, parents=[common], help=text)
             command.add_argument("name", help="The limit's name.")
-            command.add_argument("key", nargs="?", help="The key, a string unless --int, --json or --digest is given.")
+            command.add_argument(
+                "key", nargs="?", help="The key, a string unless --int, --json or --digest is given."
+            )
             forms = command.add_mutually_exclusive_group()
             forms.add_argument(
                 "--int", action="store_true", dest="int_key", help="KEY is an integer (its digits' bucket)."
@@ -121,7 +123,9 @@ class Command(LoginCommands, AnalyticsCommands, OverrideCommands, BaseCommand):
                 "post:username=alice, username=alice, header:X-Api-Key=..., get:q=..., ip=203.0.113.7, user=42.",
             )
             if name == "reset":
-                command.add_argument("--yes", action="store_true", help="Without KEY: reset every key without asking.")
+                command.add_argument(
+                    "--yes", action="store_true", help="Without KEY: reset every key without asking."
+                )
                 command.add_argument(
                     "--no-input", "--noinput", action="store_false", dest="interactive", help="Never prompt."
                 )
@@ -145,7 +149,9 @@ class Command(LoginCommands, AnalyticsCommands, OverrideCommands, BaseCommand):
         )
         clean.add_argument("--dry-run", action="store_true", help="Report what would be deleted; delete nothing.")
         clean.add_argument("--max-seconds", type=float, help="Stop after this long (the next run continues).")
-        clean.add_argument("--pause", type=float, help="Seconds to sleep between batches (default: 0; 0.1 on SQLite).")
+        clean.add_argument(
+            "--pause", type=float, help="Seconds to sleep between batches (default: 0; 0.1 on SQLite)."
+        )
         clean.add_argument("--name", action="append", dest="names", help="Only this limit (repeatable).")
         clean.add_argument("--json", action="store_true", dest="as_json", help="Print the report as JSON.")
         # Overrides live in the overrides' database, whatever backend decides: no --database.
