@@ -214,14 +214,16 @@ class TokenBucketSettings:
 
     def reload(self) -> None:
         """Forget every value read, so that the next read takes the current settings."""
-        for attr in (*DEFAULTS, *_FEATURES):
+        for attr in (*DEFAULTS, *_PARSED_ON_FIRST_READ):
             self.__dict__.pop(attr, None)
         self._limits = None
         self._backends = None
 
 
-#: The features' parsed options, each a cached_property of TokenBucketSettings.
-_FEATURES = ("deny_cache", "overrides", "analytics", "login")
+#: The features' options, each kept by a cached_property once parsed.
+_PARSED_ON_FIRST_READ = tuple(
+    name for name, value in vars(TokenBucketSettings).items() if isinstance(value, cached_property)
+)
 
 _Parsed = TypeVar("_Parsed")
 
