@@ -10,6 +10,10 @@ suite's concurrency tests): the child has only the forking thread, so a lock ano
 thread held is held for ever, a thread is gone, and what the parent counted is the
 parent's to write.
 
+A third makes memory wrong: the tables are emptied (``post_migrate``, which follows
+``manage.py flush`` and TransactionTestCase's flush after each test as well as a
+migrate), and a remembered denial or a snapshot of overrides must not contradict them.
+
 This module holds the one receiver of each, and the tables of what they reset, in the
 order they run: the settings object first, so that a reset reads the new settings.
 Each entry names a module and its public reset function. A module that was never
@@ -26,7 +30,14 @@ from typing import Any
 
 from django.core.signals import setting_changed
 
-__all__ = ["AFTER_FORK", "ON_SETTING_CHANGED", "after_fork_in_child", "setting_changed_receiver"]
+__all__ = [
+    "AFTER_FORK",
+    "ON_SETTING_CHANGED",
+    "ON_TABLES_EMPTIED",
+    "after_fork_in_child",
+    "setting_changed_receiver",
+    "tables_emptied",
+]
 
 TOKENBUCKET = frozenset({"TOKENBUCKET"})
 
@@ -74,6 +85,12 @@ AFTER_FORK: tuple[tuple[str, str], ...] = (
     ("django_tokenbucket.overrides", "after_fork_in_child"),
 )
 
+#: (module, its function that forgets what it holds of the package's tables).
+ON_TABLES_EMPTIED: tuple[tuple[str, str], ...] = (
+    ("django_tokenbucket.deny_cache", "clear"),
+    ("django_tokenbucket.overrides", "invalidate"),
+)
+
 
 def _call(module: str, function: str) -> None:
     found: Any = sys.modules.get(module)
@@ -94,6 +111,13 @@ def setting_changed_receiver(*, setting: str, **kwargs: Any) -> None:
 def after_fork_in_child() -> None:
     """Make this process' state usable in a forked child, in ``AFTER_FORK`` order."""
     for module, function in AFTER_FORK:
+        _call(module, function)
+
+
+def tables_emptied(**kwargs: Any) -> None:
+    """Forget what this process holds of the tables, in ``ON_TABLES_EMPTIED`` order
+    (``post_migrate``: the app config connects it, for its own tables)."""
+    for module, function in ON_TABLES_EMPTIED:
         _call(module, function)
 
 

@@ -288,7 +288,7 @@ def test_every_module_with_state_built_from_settings_is_reset_by_the_lifecycle()
 
 def test_every_reset_the_lifecycle_names_exists():
     calls = [(module, function) for module, function, _settings in lifecycle.ON_SETTING_CHANGED]
-    for module, function in [*calls, *lifecycle.AFTER_FORK]:
+    for module, function in [*calls, *lifecycle.AFTER_FORK, *lifecycle.ON_TABLES_EMPTIED]:
         found: object = import_module(module)
         for name in function.split("."):
             found = getattr(found, name)
