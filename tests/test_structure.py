@@ -17,7 +17,7 @@ from pathlib import Path
 from django_tokenbucket import lifecycle
 
 PACKAGE = Path(__file__).resolve().parents[1] / "django_tokenbucket"
-MAX_FUNCTION_LEVEL_IMPORTS = 5
+MAX_FUNCTION_LEVEL_IMPORTS = 4
 
 
 def _module_name(path: Path) -> str:
