@@ -1,4 +1,5 @@
-"""What each process holds, and the two moments it must let go: a setting changed, a fork.
+"""What each process holds, and the moments it must let go: a setting changed, a fork,
+the tables emptied.
 
 Several modules keep state per process: the parsed settings, the backends built from
 them, the deny cache, the overrides snapshot, the metrics recorder, the analytics
@@ -67,7 +68,7 @@ ON_SETTING_CHANGED: tuple[tuple[str, str, frozenset[str]], ...] = (
 )
 
 #: (module, its function that makes what a fork left behind usable in the child).
-#: Locks and counts first; the overrides last, as they replace the asyncio executor.
+#: Lowest layer first, so that a module's reset finds the modules below it usable.
 AFTER_FORK: tuple[tuple[str, str], ...] = (
     ("django_tokenbucket.backends", "after_fork_in_child"),
     ("django_tokenbucket.backends.base", "after_fork_in_child"),
