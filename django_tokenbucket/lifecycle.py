@@ -70,20 +70,20 @@ ON_SETTING_CHANGED: tuple[tuple[str, str, frozenset[str]], ...] = (
 #: (module, its function that makes what a fork left behind usable in the child).
 #: Lowest layer first, so that a module's reset finds the modules below it usable.
 AFTER_FORK: tuple[tuple[str, str], ...] = (
-    ("django_tokenbucket.backends", "after_fork_in_child"),
+    ("django_tokenbucket.keys", "after_fork_in_child"),
+    ("django_tokenbucket.registry", "after_fork_in_child"),
+    ("django_tokenbucket.hints", "after_fork_in_child"),
+    ("django_tokenbucket.metrics", "after_fork_in_child"),
     ("django_tokenbucket.backends.base", "after_fork_in_child"),
+    ("django_tokenbucket.backends", "after_fork_in_child"),
     ("django_tokenbucket.backends.database.deadline", "after_fork_in_child"),
     ("django_tokenbucket.backends.redis.breaker", "after_fork_in_child"),
     ("django_tokenbucket.backends.redis.clients", "after_fork_in_child"),
     ("django_tokenbucket.backends.redis.connections", "after_fork_in_child"),
-    ("django_tokenbucket.registry", "after_fork_in_child"),
-    ("django_tokenbucket.hints", "after_fork_in_child"),
-    ("django_tokenbucket.keys", "after_fork_in_child"),
-    ("django_tokenbucket.compat.ratelimit.core", "after_fork_in_child"),
-    ("django_tokenbucket.metrics", "after_fork_in_child"),
     ("django_tokenbucket.analytics", "after_fork_in_child"),
     ("django_tokenbucket.deny_cache", "after_fork_in_child"),
     ("django_tokenbucket.overrides", "after_fork_in_child"),
+    ("django_tokenbucket.compat.ratelimit.core", "after_fork_in_child"),
 )
 
 #: (module, its function that forgets what it holds of the package's tables).
