@@ -29,49 +29,40 @@ from __future__ import annotations
 import atexit
 import heapq
 import logging
-import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
-from django.core.signals import setting_changed
 from django.db import connections
-from django.dispatch import receiver
 
 from .backends import get_backend
 from .backends.base import KEY_MINUTES_KEPT, MINUTES_KEPT, BackendError, BaseBackend, DeniedKeyCount, MinuteCounts
 from .logs import throttled_logger
 from .registry import interpret
-from .settings import feature_options, tokenbucket_settings
+from .settings import ANALYTICS_MAX_KEYS, ANALYTICS_TOP_KEYS, tokenbucket_settings
+from .settings import AnalyticsSettings as Settings
 
 __all__ = [
-    "DEFAULT_FLUSH",
-    "DEFAULT_MAX_KEYS",
-    "DEFAULT_TOP_KEYS",
     "KEY_MINUTES_KEPT",
     "MINUTES_KEPT",
     "DeniedKeyCount",
     "MinuteCounts",
     "Settings",
     "active",
+    "after_fork_in_child",
     "current_minute",
     "denied_keys",
     "discard",
     "flush",
     "minutes",
-    "parse",
     "pending",
     "record_allowed",
     "record_denied",
+    "settings_changed",
 ]
 
 logger = logging.getLogger("django_tokenbucket")
 
-DEFAULT_FLUSH = 10.0
-DEFAULT_TOP_KEYS = 20
-DEFAULT_MAX_KEYS = 1000
 #: More limit names than this counted between two flushes and the rest are not: inline
 #: limits may have names made at run time.
 MAX_NAMES = 1000
@@ -79,56 +70,9 @@ MAX_NAMES = 1000
 UNWRITTEN_MINUTES = KEY_MINUTES_KEPT
 
 
-@dataclass(frozen=True)
-class Settings:
-    """``TOKENBUCKET["ANALYTICS"]``, validated."""
-
-    #: Seconds between two writes of this process' counts.
-    flush: float
-    #: Denied keys written per limit and minute, the most denied first.
-    top_keys: int
-    #: Distinct denied keys counted per limit and minute in memory.
-    max_keys: int
-
-
-def parse(value: object) -> Settings | None:
-    """Return the ``ANALYTICS`` setting validated (None: off); ValueError says what is wrong."""
-    defaults = {"FLUSH": DEFAULT_FLUSH, "TOP_KEYS": DEFAULT_TOP_KEYS, "MAX_KEYS": DEFAULT_MAX_KEYS}
-    value = feature_options("ANALYTICS", value, defaults, off="None")
-    if value is None:
-        return None
-    flush_every = value.get("FLUSH", DEFAULT_FLUSH)
-    if isinstance(flush_every, bool) or not isinstance(flush_every, (int, float)) or not 0.1 <= flush_every <= 3600:
-        raise ValueError(
-            f"TOKENBUCKET['ANALYTICS']['FLUSH'] must be a number of seconds from 0.1 to 3600 (one write per "
-            f"process per FLUSH), not {flush_every!r}"
-        )
-    top_keys = value.get("TOP_KEYS", DEFAULT_TOP_KEYS)
-    if type(top_keys) is not int or not 0 <= top_keys <= 1000:
-        raise ValueError(
-            f"TOKENBUCKET['ANALYTICS']['TOP_KEYS'] must be a whole number from 0 to 1000, not {top_keys!r}"
-        )
-    max_keys = value.get("MAX_KEYS", DEFAULT_MAX_KEYS)
-    if type(max_keys) is not int or not max(1, top_keys) <= max_keys <= 1_000_000:
-        raise ValueError(
-            f"TOKENBUCKET['ANALYTICS']['MAX_KEYS'] must be a whole number from TOP_KEYS ({top_keys}) to "
-            f"1000000, not {max_keys!r}"
-        )
-    return Settings(float(flush_every), top_keys, max_keys)
-
-
-_settings: Settings | bool | None = True  # True: not read yet
-
-
 def active() -> Settings | None:
     """Return the setting in force (None: analytics are off); raise ImproperlyConfigured if malformed."""
-    global _settings
-    if _settings is True:
-        try:
-            _settings = parse(tokenbucket_settings.user_settings.get("ANALYTICS"))
-        except ValueError as exc:
-            raise ImproperlyConfigured(str(exc)) from None
-    return _settings  # type: ignore[return-value]
+    return tokenbucket_settings.analytics
 
 
 def current_minute() -> int:
@@ -230,8 +174,8 @@ def flush() -> int:
     ``UNWRITTEN_MINUTES``) and the failure is logged, at most once per ``LOG_INTERVAL``.
     """
     settings = active()
-    top_keys = settings.top_keys if settings is not None else DEFAULT_TOP_KEYS
-    max_keys = settings.max_keys if settings is not None else DEFAULT_MAX_KEYS
+    top_keys = settings.top_keys if settings is not None else ANALYTICS_TOP_KEYS
+    max_keys = settings.max_keys if settings is not None else ANALYTICS_MAX_KEYS
     with _flush_lock:
         global _minutes, _keys
         with _lock:
@@ -381,7 +325,8 @@ def _backend_of(name: str) -> BaseBackend:
     return backend
 
 
-def _after_fork_in_child() -> None:
+def after_fork_in_child() -> None:
+    """Start a forked child with nothing counted and no flusher (``django_tokenbucket.lifecycle``)."""
     global _lock, _flush_lock, _flusher, _minutes, _keys
     # The parent's counts are the parent's to write; the child counts its own, with a
     # thread of its own (threads do not survive a fork) and fresh locks.
@@ -391,13 +336,6 @@ def _after_fork_in_child() -> None:
     _flusher = None
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-@receiver(setting_changed)
-def _settings_changed(*, setting: str, **kwargs: Any) -> None:
-    global _settings
-    if setting == "TOKENBUCKET":
-        _settings = True
-        # The flusher runs at the old interval: a new one starts with the next count.
-        _stop_flusher()
+def settings_changed() -> None:
+    """Stop the flusher, which runs at the old interval: a new one starts with the next count."""
+    _stop_flusher()

@@ -1,10 +1,11 @@
 from importlib import import_module
 from importlib.util import find_spec
-from typing import Any
 
 from django.apps import AppConfig
 from django.db.models.signals import post_migrate
 from django.utils.translation import gettext_lazy as _
+
+from . import lifecycle
 
 #: What ``ready()`` loads, each when the framework it needs is installed (None: always):
 #: the system checks of the core and of each integration, and the Celery tasks, which
@@ -32,15 +33,4 @@ class TokenBucketConfig(AppConfig):
         for requirement, module in READY_MODULES:
             if requirement is None or find_spec(requirement) is not None:
                 import_module(module)
-        post_migrate.connect(_tables_emptied, sender=self)
-
-
-def _tables_emptied(**kwargs: Any) -> None:
-    """Forget what this process holds of the tables: ``post_migrate`` follows a flush
-    (``manage.py flush``, and TransactionTestCase after each test) as well as a migrate,
-    and memory must not contradict the empty tables (a remembered denial, a snapshot of
-    overrides that no longer exist)."""
-    from . import deny_cache, overrides  # they read settings, which an AppConfig module must not at import
-
-    deny_cache.clear()
-    overrides.invalidate()
+        post_migrate.connect(lifecycle.tables_emptied, sender=self)

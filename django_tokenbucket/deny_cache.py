@@ -27,7 +27,6 @@ other shards, which may admit), reservations, and statuses that failed open.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 import weakref
@@ -35,26 +34,22 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
-from django.core.signals import setting_changed
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
-from django.dispatch import receiver
 
 from . import clock
-from .algorithms import MICRO, Decision
+from .algorithms import Decision
 from .backends.base import BaseBackend, Outcome
 from .limits import LimitConfig
-from .settings import feature_options, tokenbucket_settings
+from .settings import DenyCacheSettings as Settings
+from .settings import tokenbucket_settings
 
 __all__ = [
-    "DEFAULT_MAX_AGE",
-    "DEFAULT_MAX_KEYS",
     "Recalled",
     "Settings",
     "active",
     "admitted",
+    "after_fork_in_child",
     "cacheable",
     "clear",
     "forget",
@@ -63,41 +58,9 @@ __all__ = [
     "forget_plans",
     "lookup",
     "now",
-    "parse",
     "remember",
     "size",
 ]
-
-DEFAULT_MAX_AGE = 1.0
-DEFAULT_MAX_KEYS = 100_000
-
-
-@dataclass(frozen=True)
-class Settings:
-    """``TOKENBUCKET["DENY_CACHE"]``, validated: how long and how many denials to remember."""
-
-    #: Microseconds a denial is remembered at most (the staleness bound across processes).
-    max_age: int
-    max_keys: int
-
-
-def parse(value: object) -> Settings | None:
-    """Return the ``DENY_CACHE`` setting validated (None: off); ValueError says what is wrong."""
-    value = feature_options("DENY_CACHE", value, {"MAX_AGE": DEFAULT_MAX_AGE, "MAX_KEYS": DEFAULT_MAX_KEYS})
-    if value is None:
-        return None
-    max_age = value.get("MAX_AGE", DEFAULT_MAX_AGE)
-    if isinstance(max_age, bool) or not isinstance(max_age, (int, float)) or not 0 < max_age <= 3600:
-        raise ValueError(
-            f"TOKENBUCKET['DENY_CACHE']['MAX_AGE'] must be a number of seconds above 0 and at most 3600, "
-            f"not {max_age!r}"
-        )
-    max_keys = value.get("MAX_KEYS", DEFAULT_MAX_KEYS)
-    if type(max_keys) is not int or max_keys < 1:
-        raise ValueError(
-            f"TOKENBUCKET['DENY_CACHE']['MAX_KEYS'] must be a whole number of at least 1, not {max_keys!r}"
-        )
-    return Settings(max(1, int(max_age * MICRO)), max_keys)
 
 
 @dataclass(frozen=True)
@@ -136,7 +99,6 @@ _entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
 #: Bumped by every invalidation: a denial decided before one may no longer hold, so it
 #: is not remembered when the two race (``remember`` compares it with ``now()``'s).
 _epoch = 0
-_settings: Settings | bool | None = True  # True: not read yet
 #: The denials learnt inside transactions still open (their ``on_commit`` callbacks),
 #: held weakly: a rollback discards the callback, and so its place here.
 _awaiting_commit: weakref.WeakSet[Callable[[], None]] = weakref.WeakSet()
@@ -144,13 +106,7 @@ _awaiting_commit: weakref.WeakSet[Callable[[], None]] = weakref.WeakSet()
 
 def active() -> Settings | None:
     """Return the setting in force (None: the cache is off); raise ImproperlyConfigured if malformed."""
-    global _settings
-    if _settings is True:
-        try:
-            _settings = parse(tokenbucket_settings.user_settings.get("DENY_CACHE", {}))
-        except ValueError as exc:
-            raise ImproperlyConfigured(str(exc)) from None
-    return _settings  # type: ignore[return-value]
+    return tokenbucket_settings.deny_cache
 
 
 def now() -> tuple[bool, int, int]:
@@ -371,20 +327,10 @@ def size() -> int:
     return len(_entries)
 
 
-def _after_fork_in_child() -> None:
+def after_fork_in_child() -> None:
+    """Start a forked child with nothing remembered (``django_tokenbucket.lifecycle``)."""
     global _lock
     # The parent's lock may have been held by another thread at the fork; the child has
     # only this thread and starts with nothing remembered.
     _lock = threading.Lock()
     _entries.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-@receiver(setting_changed)
-def _settings_changed(*, setting: str, **kwargs: Any) -> None:
-    global _settings
-    if setting == "TOKENBUCKET":
-        _settings = True
-        clear()

@@ -21,7 +21,10 @@ from django.conf import settings
 from django.core.signals import request_finished, request_started
 from django.dispatch import receiver
 
-__all__ = ["note_key"]
+__all__ = [
+    "after_fork_in_child",
+    "note_key",
+]
 
 logger = logging.getLogger("django_tokenbucket")
 
@@ -34,6 +37,13 @@ _unkeyed: set[str] = set()
 _warned: set[str] = set()
 _MAX_NAMES = 1024
 _lock = threading.Lock()
+
+
+def after_fork_in_child() -> None:
+    """Give a forked child a lock of its own (``django_tokenbucket.lifecycle``)."""
+    global _lock
+    # A fork while another thread held the lock would leave the child's copy held.
+    _lock = threading.Lock()
 
 
 @receiver(request_started)

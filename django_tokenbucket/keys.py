@@ -25,8 +25,6 @@ from typing import Any, Union
 from uuid import UUID
 
 from django.conf import settings
-from django.core.signals import setting_changed
-from django.dispatch import receiver
 
 __all__ = [
     "LABEL_LENGTH",
@@ -34,11 +32,13 @@ __all__ = [
     "EncodedKey",
     "Key",
     "Redacted",
+    "after_fork_in_child",
     "as_typed",
     "encode_key",
     "is_request_data_key",
     "key_from_json",
     "label_as_typed",
+    "settings_changed",
     "unredacted",
 ]
 
@@ -262,12 +262,19 @@ def _digest(data: bytes) -> str:
     return str(outer.hexdigest())
 
 
-@receiver(setting_changed)
-def _forget_secret(*, setting: str, **kwargs: Any) -> None:
+def settings_changed() -> None:
+    """Forget the secret (``KEY_SECRET``, ``SECRET_KEY``) and the keys encoded with it
+    (``django_tokenbucket.lifecycle``)."""
     global _prepared
-    if setting in ("TOKENBUCKET", "SECRET_KEY"):
-        _prepared = None
-        _recent.clear()
+    _prepared = None
+    _recent.clear()
+
+
+def after_fork_in_child() -> None:
+    """Give a forked child a lock of its own (``django_tokenbucket.lifecycle``)."""
+    global _prepared_lock
+    # A fork while another thread prepared the secret would leave the child's copy held.
+    _prepared_lock = threading.Lock()
 
 
 def _cacheable_pair(key: tuple[object, ...]) -> bool:

@@ -17,12 +17,9 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any
 
-from django.core.signals import setting_changed
-from django.dispatch import receiver
-
 from .settings import tokenbucket_settings
 
-__all__ = ["DenialLog", "ThrottledLogger", "current_request", "denial_log", "throttled_logger"]
+__all__ = ["DenialLog", "ThrottledLogger", "current_request", "denial_log", "settings_changed", "throttled_logger"]
 
 #: Monotonic, so that a wall-clock jump can neither silence nor unleash the warnings.
 #: A module attribute so tests can move it.
@@ -165,9 +162,7 @@ class DenialLog:
 denial_log = DenialLog(throttled_logger)
 
 
-@receiver(setting_changed)
-def _forget_on_new_settings(*, setting: str, **kwargs: Any) -> None:
-    # New settings may mean a new store or a new interval: start counting afresh.
-    if setting == "TOKENBUCKET":
-        throttled_logger.reset()
-        denial_log.reset()
+def settings_changed() -> None:
+    """Start counting afresh (``django_tokenbucket.lifecycle``): new settings may mean a new store or a new interval."""
+    throttled_logger.reset()
+    denial_log.reset()

@@ -29,14 +29,13 @@ import os
 import sys
 import threading
 import time
+import weakref
 from bisect import bisect_left
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
 
 from django.core.exceptions import ImproperlyConfigured
-from django.core.signals import setting_changed
-from django.dispatch import receiver
 
 from .settings import tokenbucket_settings
 
@@ -62,9 +61,11 @@ __all__ = [
     "Recorder",
     "StoreFailures",
     "active",
+    "after_fork_in_child",
     "count_reservations",
     "error_label",
     "metrics_problem",
+    "settings_changed",
     "store_failures",
 ]
 
@@ -287,7 +288,7 @@ class _Tallies:
         self._threads: list[_ThreadTally] = []
         self._ended = _ThreadTally(threading.current_thread())
         self._sweep_at = _SWEEP_AT
-        os.register_at_fork(after_in_child=self._after_fork)
+        _every_tallies.add(self)
 
     def join(self) -> _ThreadTally:
         """Return the calling thread's tally, made now (the thread's first figure)."""
@@ -320,7 +321,8 @@ class _Tallies:
                 _add(self._ended.counts, self._ended.histograms, tally)
         self._threads = running
 
-    def _after_fork(self) -> None:
+    def after_fork(self) -> None:
+        """Make the tallies usable in a forked child (``metrics.after_fork_in_child``)."""
         # The parent's threads did not come along, and its lock may have been held by one.
         self._lock = threading.Lock()
 
@@ -331,6 +333,8 @@ BOUND_LABELS = (
     if prometheus_client
     else ()
 )
+#: Every recorder's tallies (a test makes recorders of its own), for a forked child.
+_every_tallies: weakref.WeakSet[_Tallies] = weakref.WeakSet()
 #: Tallies kept before the first sweep for ended threads (then twice those left running).
 _SWEEP_AT = 64
 
@@ -542,8 +546,16 @@ def error_label(exc: BaseException) -> str:
     return type(cause).__name__
 
 
-@receiver(setting_changed)
-def _forget(*, setting: str, **kwargs: Any) -> None:
+def settings_changed() -> None:
+    """Read ``METRICS`` again at the next figure (``django_tokenbucket.lifecycle``)."""
     global _loaded
-    if setting == "TOKENBUCKET":
-        _loaded = False
+    _loaded = False
+
+
+def after_fork_in_child() -> None:
+    """Make this process' recorders usable in a forked child (``django_tokenbucket.lifecycle``)."""
+    global _made_lock
+    # The parent's lock may have been held by another thread at the fork.
+    _made_lock = threading.Lock()
+    for tallies in list(_every_tallies):
+        tallies.after_fork()

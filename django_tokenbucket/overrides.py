@@ -36,7 +36,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import os
 import secrets
 import threading
 import time
@@ -51,10 +50,8 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import SyncToAsync, sync_to_async
 from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
-from django.core.signals import setting_changed
 from django.db import connections, router, transaction
 from django.db.models import Case, F, Max, Q, Value, When
-from django.dispatch import receiver
 from django.utils import timezone
 
 from . import clock, deny_cache
@@ -64,7 +61,8 @@ from .limits import LimitConfig, parse_limit
 from .logs import throttled_logger
 from .plans import plan_base
 from .request_keys import canonical_spec, ip_key_from_text, normalize_identity
-from .settings import feature_options, tokenbucket_settings
+from .settings import OVERRIDES_MAX_AGE, tokenbucket_settings
+from .settings import OverridesSettings as Settings
 
 if TYPE_CHECKING:
     from .models import LimitOverride, OverridesVersion, OverrideTombstone
@@ -72,7 +70,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ACTIONS",
     "BLOCK",
-    "DEFAULT_MAX_AGE",
     "EXEMPT",
     "LIMIT",
     "LONGEST",
@@ -80,6 +77,7 @@ __all__ = [
     "Override",
     "Settings",
     "active",
+    "after_fork_in_child",
     "arefresh_if_due",
     "check_admits",
     "current",
@@ -91,57 +89,18 @@ __all__ = [
     "invalidate",
     "key_digest",
     "lookup",
-    "parse",
     "refresh_if_due",
     "save",
     "save_checked",
+    "settings_changed",
 ]
 
 LIMIT = "limit"
 EXEMPT = "exempt"
 BLOCK = "block"
 ACTIONS = (LIMIT, EXEMPT, BLOCK)
-DEFAULT_MAX_AGE = 5.0
-#: Seconds an expired override is kept (the admin shows it, its reason and author) before
-#: cleanup deletes it: 30 days.
-DEFAULT_KEEP_EXPIRED = 30 * 24 * 3600
-_MOST_KEPT = 100 * 365 * 24 * 3600
 #: The fields of a ``limit`` override, as LimitConfig and the model name them.
 NUMBERS = ("rate", "period", "capacity", "max_reserved")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """``TOKENBUCKET["OVERRIDES"]``, validated."""
-
-    #: Seconds a snapshot is used before the version stamp is read again.
-    max_age: float
-    #: Seconds after its expiry that cleanup deletes an override; None keeps them all.
-    keep_expired: float | None = DEFAULT_KEEP_EXPIRED
-
-
-def parse(value: object) -> Settings | None:
-    """Return the ``OVERRIDES`` setting validated (None: off); ValueError says what is wrong."""
-    value = feature_options(
-        "OVERRIDES", value, {"MAX_AGE": DEFAULT_MAX_AGE, "KEEP_EXPIRED": DEFAULT_KEEP_EXPIRED}
-    )
-    if value is None:
-        return None
-    max_age = value.get("MAX_AGE", DEFAULT_MAX_AGE)
-    if isinstance(max_age, bool) or not isinstance(max_age, (int, float)) or not 0 < max_age <= 3600:
-        raise ValueError(
-            f"TOKENBUCKET['OVERRIDES']['MAX_AGE'] must be a number of seconds above 0 and at most 3600, "
-            f"not {max_age!r}"
-        )
-    keep = value.get("KEEP_EXPIRED", DEFAULT_KEEP_EXPIRED)
-    if keep is not None and (
-        isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 <= keep <= _MOST_KEPT
-    ):
-        raise ValueError(
-            f"TOKENBUCKET['OVERRIDES']['KEEP_EXPIRED'] must be a number of seconds from 0 to {_MOST_KEPT} (100 "
-            f"years), or None to keep expired overrides for good, not {keep!r}"
-        )
-    return Settings(float(max_age), None if keep is None else float(keep))
 
 
 @dataclass(frozen=True, slots=True)  # slots: a process may hold 10^5 of them (docs/settings.md#overrides)
@@ -286,7 +245,6 @@ _due = 0.0
 #: postpone the next read by MAX_AGE (it may have read the rows before the change).
 _generation = 0
 _lock = threading.Lock()
-_settings: Settings | bool | None = True  # True: not read yet
 
 
 @dataclass(eq=False)
@@ -321,13 +279,7 @@ WARN_IN_FORCE = 100_000
 
 def active() -> Settings | None:
     """Return the setting in force (None: overrides are off); raise ImproperlyConfigured if malformed."""
-    global _settings
-    if _settings is True:
-        try:
-            _settings = parse(tokenbucket_settings.user_settings.get("OVERRIDES", {}))
-        except ValueError as exc:
-            raise ImproperlyConfigured(str(exc)) from None
-    return _settings  # type: ignore[return-value]
+    return tokenbucket_settings.overrides
 
 
 def lookup(name: str, digest: str) -> Override | None:
@@ -724,7 +676,7 @@ def save_checked(
     if active() is None:
         raise ImproperlyConfigured(
             f"rate limit {name!r}: overrides are off (TOKENBUCKET['OVERRIDES'] is False), so this one "
-            f"would never apply; set OVERRIDES to {{'MAX_AGE': {DEFAULT_MAX_AGE}}} to use them"
+            f"would never apply; set OVERRIDES to {{'MAX_AGE': {OVERRIDES_MAX_AGE}}} to use them"
         )
     for what, text in (("reason", reason), ("created_by", created_by)):
         if not isinstance(text, str):
@@ -920,7 +872,8 @@ def _as_micro(moment: datetime) -> int:
     return (moment - _EPOCH) // _MICROSECOND
 
 
-def _after_fork_in_child() -> None:
+def after_fork_in_child() -> None:
+    """Make the snapshot usable in a forked child (``django_tokenbucket.lifecycle``)."""
     global _lock
     # The parent's lock may have been held by another thread at the fork; the child
     # keeps the snapshot but reads the stamp again before its first decision.
@@ -940,15 +893,11 @@ def _after_fork_in_child() -> None:
         SyncToAsync.single_thread_executor = ThreadPoolExecutor(max_workers=1)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-@receiver(setting_changed)
-def _settings_changed(*, setting: str, **kwargs: Any) -> None:
-    global _settings, _snapshot
-    if setting == "TOKENBUCKET":
-        _settings = True
-        _snapshot = _Snapshot()
-        _pending.clear()
-        _undone.clear()
-        invalidate()
+def settings_changed() -> None:
+    """Forget the snapshot and what this process wrote (``django_tokenbucket.lifecycle``):
+    the next decision reads the overrides under the new settings."""
+    global _snapshot
+    _snapshot = _Snapshot()
+    _pending.clear()
+    _undone.clear()
+    invalidate()

@@ -44,6 +44,7 @@ __all__ = [
     "KnownLimit",
     "ViewUse",
     "add_throttle_rates_source",
+    "after_fork_in_child",
     "cleanup_limits",
     "interpret",
     "is_compat_limit",
@@ -80,6 +81,14 @@ _INLINE_MAX = 4096
 #: buckets), by the view: come from code, bounded all the same.
 _plan_bases: dict[str, str] = {}
 _lock = threading.Lock()
+
+
+def after_fork_in_child() -> None:
+    """Give a forked child a lock of its own (``django_tokenbucket.lifecycle``)."""
+    global _lock
+    # A fork while another thread held the lock would leave the child's copy held.
+    _lock = threading.Lock()
+
 
 #: Where the rates that throttle classes declare themselves come from (scope ->
 #: (where, rate)): django_tokenbucket.throttling adds its own when it is imported,

@@ -16,9 +16,7 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ImproperlyConfigured, ValidationError
-from django.core.signals import setting_changed
 from django.db import connections, router
-from django.dispatch import receiver
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
@@ -44,6 +42,7 @@ __all__ = [
     "note_view_key",
     "posted_field",
     "request_key",
+    "settings_changed",
     "user_pk_from_text",
     "validate_key_spec",
 ]
@@ -118,11 +117,10 @@ def key_folding() -> Folding:
     return folding
 
 
-@receiver(setting_changed)
-def _forget_folding(*, setting: str, **kwargs: Any) -> None:
+def settings_changed() -> None:
+    """Decide the key folding again, by the new settings and user table (``django_tokenbucket.lifecycle``)."""
     global _folding
-    if setting in ("TOKENBUCKET", "DATABASES", "DATABASE_ROUTERS", "AUTH_USER_MODEL"):
-        _folding = None
+    _folding = None
 
 
 def normalize_identity(value: str) -> str:

@@ -65,6 +65,7 @@ DB_INDEPENDENT_MODULES = frozenset(
         "test_fast_path",
         "test_ip",
         "test_keys",
+        "test_lifecycle",
         "test_override_operations",
         "test_ports",
         "test_properties",

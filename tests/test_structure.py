@@ -1,6 +1,6 @@
 """The package's shape (issue 29): no import cycle between its modules, imports at module
-level, no module of a subpackage past ~600 lines, and no module outside ``backends/``
-importing a concrete backend.
+level, no module of a subpackage past ~600 lines, no module outside ``backends/``
+importing a concrete backend, and per-process state let go in one place (``lifecycle``).
 
 An import inside a function hides a cycle or an optional dependency; each one left
 carries a comment saying why (issue 20). The graph is read from the source (AST), so a
@@ -10,10 +10,14 @@ cycle that happens to load in today's import order still fails here.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
+from importlib import import_module
 from pathlib import Path
 
+from django_tokenbucket import lifecycle
+
 PACKAGE = Path(__file__).resolve().parents[1] / "django_tokenbucket"
-MAX_FUNCTION_LEVEL_IMPORTS = 5
+MAX_FUNCTION_LEVEL_IMPORTS = 4
 
 
 def _module_name(path: Path) -> str:
@@ -220,3 +224,84 @@ def test_only_backends_query_rate_limit_rows():
         and node.value.id == "RateLimit"
     ]
     assert found == []
+
+
+#: Where per-process state is let go (issue 50, item 3): one receiver of setting_changed,
+#: one fork hook, and the tables of what they reset.
+LIFECYCLE = "django_tokenbucket.lifecycle"
+
+
+def _modules_that(modules: dict[str, tuple[Path, ast.Module]], found: Callable[[ast.AST], bool]) -> set[str]:
+    return {name for name, (_path, tree) in modules.items() if any(found(node) for node in ast.walk(tree))}
+
+
+def test_only_the_lifecycle_registers_a_fork_hook():
+    def registers(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "register_at_fork"
+
+    assert _modules_that(_modules(), registers) == {LIFECYCLE}
+
+
+def test_only_the_lifecycle_receives_setting_changed():
+    # Whether by @receiver(setting_changed) or setting_changed.connect: the name itself.
+    def names(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "setting_changed") or (
+            isinstance(node, ast.ImportFrom) and any(alias.name == "setting_changed" for alias in node.names)
+        )
+
+    assert _modules_that(_modules(), names) == {LIFECYCLE}
+
+
+def _defines(function: str) -> Callable[[ast.AST], bool]:
+    def defines(node: ast.AST) -> bool:
+        return isinstance(node, ast.Module) and any(
+            isinstance(statement, ast.FunctionDef) and statement.name == function for statement in node.body
+        )
+
+    return defines
+
+
+def _holds_a_module_lock(node: ast.AST) -> bool:
+    """A lock made at import, in the module or a class body: one a fork can copy held."""
+    if not isinstance(node, (ast.Module, ast.ClassDef)):
+        return False
+    return any(
+        isinstance(statement, (ast.Assign, ast.AnnAssign))
+        and isinstance(statement.value, ast.Call)
+        and isinstance(statement.value.func, ast.Attribute)
+        and statement.value.func.attr in ("Lock", "RLock")
+        for statement in node.body
+    )
+
+
+def test_every_module_with_state_a_fork_leaves_behind_is_reset_by_the_lifecycle():
+    modules = _modules()
+    reset = {module for module, _function in lifecycle.AFTER_FORK}
+    assert _modules_that(modules, _defines("after_fork_in_child")) - {LIFECYCLE} == reset
+    assert _modules_that(modules, _holds_a_module_lock) - reset == set()
+
+
+def test_every_module_with_state_built_from_settings_is_reset_by_the_lifecycle():
+    reset = {module for module, _function, _settings in lifecycle.ON_SETTING_CHANGED}
+    assert _modules_that(_modules(), _defines("settings_changed")) <= reset
+
+
+def test_every_reset_the_lifecycle_names_exists():
+    calls = [(module, function) for module, function, _settings in lifecycle.ON_SETTING_CHANGED]
+    for module, function in [*calls, *lifecycle.AFTER_FORK, *lifecycle.ON_TABLES_EMPTIED]:
+        found: object = import_module(module)
+        for name in function.split("."):
+            found = getattr(found, name)
+        assert callable(found), (module, function)
+
+
+def test_the_lifecycle_lock_check_finds_a_lock_made_at_import():
+    found = _modules_that(
+        {
+            "a": (PACKAGE / "a.py", ast.parse("import threading\n_lock = threading.Lock()")),
+            "b": (PACKAGE / "b.py", ast.parse("class Pool:\n    _lock = threading.RLock()")),
+            "c": (PACKAGE / "c.py", ast.parse("def f():\n    lock = threading.Lock()")),
+        },
+        _holds_a_module_lock,
+    )
+    assert found == {"a", "b"}

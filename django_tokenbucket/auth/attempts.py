@@ -41,8 +41,8 @@ from ..api import LimitRequest, limiter
 from ..exceptions import BackendUnavailable
 from ..keys import encode_key
 from ..limits import LimitConfig
+from ..settings import MOST_LOCKOUTS, LoginSettings
 from ..status import MultiStatus, Status
-from .config import MOST_LOCKOUTS, LoginSettings
 from .keys import http_request
 
 __all__ = ["LOCKOUT_AUTHOR", "Attempt", "Refusal", "blocks_in_force", "lock_out", "mark_refused", "refusal_of"]

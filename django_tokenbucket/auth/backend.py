@@ -38,9 +38,9 @@ from django.contrib.auth import load_backend
 from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest
 
+from ..settings import LoginSettings
 from . import config
 from .attempts import Attempt
-from .config import LoginSettings
 from .keys import credential_username, login_keys
 
 __all__ = ["LoginBackend", "active", "handled_failure"]

@@ -9,10 +9,9 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-from .. import catalogue, overrides
+from .. import catalogue
 from ..backends import get_backend
-from ..settings import tokenbucket_settings
-from . import config
+from ..settings import seconds, tokenbucket_settings
 from .backend import LoginBackend
 
 __all__ = ["check_login"]
@@ -39,8 +38,8 @@ def check_login(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
     if not isinstance(user, dict):
         return []  # E001
     try:
-        login = config.parse(user.get("LOGIN", {}))
-    except ValueError as exc:
+        login = tokenbucket_settings.login
+    except ImproperlyConfigured as exc:
         return [catalogue.E060(error=str(exc).rstrip("."))]
     before = _listed_before()
     if login is None:
@@ -60,7 +59,7 @@ def check_login(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
     if limit is None:
         errors.append(catalogue.E061(name=login.limit))
         return errors
-    if login.cooloff is not None and overrides.parse(user.get("OVERRIDES", {})) is None:
+    if login.cooloff is not None and _overrides_off():
         errors.append(catalogue.E062())
     if callable(login.cooloff):
         problem = _first_lockout_problem(login.cooloff)
@@ -76,13 +75,20 @@ def check_login(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
     return errors
 
 
+def _overrides_off() -> bool:
+    try:
+        return tokenbucket_settings.overrides is None
+    except ImproperlyConfigured:
+        return False  # E052 says what; LOGIN's cooloff is then not the problem
+
+
 def _first_lockout_problem(cooloff: Any) -> str | None:
     try:
         value = cooloff(1)
     except Exception as exc:  # a callable of the project's: whatever it raises is the problem
         return f"raised {type(exc).__name__}: {exc}"
     try:
-        config.seconds(value)
+        seconds(value)
     except ValueError as exc:
         return f"returned {value!r}: {exc}"
     return None

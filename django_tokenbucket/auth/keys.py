@@ -6,7 +6,7 @@ ip=...``) names, and an override made for that key reaches it: ``("username",
 Redacted("alice"))`` normalised as the decorator normalises what a request sends,
 ``("ip", <the client's address as key="ip" reads it>)``, and the user agent as
 ``key="header:User-Agent"`` keys it. A combination is those pairs one after the other,
-in ``PARTS`` order: ``("username", Redacted("alice"), "ip", "203.0.113.7")``; its label
+in ``LOGIN_PARTS`` order: ``("username", Redacted("alice"), "ip", "203.0.113.7")``; its label
 names its first part only when that is the username, as every label of request data
 does.
 """
@@ -22,7 +22,7 @@ from django.http import HttpRequest
 from ..ip import client_ip
 from ..keys import Redacted
 from ..request_keys import ip_key_from_text, normalize_identity
-from .config import LoginSettings
+from ..settings import LoginSettings
 
 __all__ = ["USER_AGENT_SPEC", "credential_username", "http_request", "key_of", "login_keys", "typed_parts"]
 
@@ -76,7 +76,7 @@ def _part(part: str, username: str | None, request: HttpRequest | None) -> tuple
 
 
 def key_of(parts: Sequence[tuple[str, object]]) -> object:
-    """The key of an entry made of ``parts`` (``(spec, value)`` pairs in ``PARTS`` order)."""
+    """The key of an entry made of ``parts`` (``(spec, value)`` pairs in ``LOGIN_PARTS`` order)."""
     if len(parts) == 1:
         return parts[0]
     return tuple(item for pair in parts for item in pair)

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.core.signals import setting_changed
-from django.dispatch import receiver
 from django.utils.module_loading import import_string
 
 from ..limits import DEFAULT_BACKEND_ALIAS
@@ -27,6 +24,7 @@ except ImportError:  # the Redis backend is not installed; no cache is a django-
 
 __all__ = [
     "BaseBackend",
+    "after_fork_in_child",
     "backend_aliases",
     "backend_class",
     "get_backend",
@@ -127,7 +125,8 @@ def reset_backend() -> None:
         _backends.clear()
 
 
-@receiver(setting_changed)
-def _settings_changed(*, setting: str, **kwargs: Any) -> None:
-    if setting == "TOKENBUCKET":
-        reset_backend()
+def after_fork_in_child() -> None:
+    """Give a forked child a lock of its own (``django_tokenbucket.lifecycle``)."""
+    global _lock
+    # A fork while another thread built a backend would leave the child's copy held.
+    _lock = threading.RLock()

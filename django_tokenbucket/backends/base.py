@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 import threading
 import time
@@ -38,6 +37,7 @@ __all__ = [
     "Outcome",
     "Request",
     "StoredBucket",
+    "after_fork_in_child",
     "checked_digests",
     "decide_all",
     "row_id",
@@ -256,12 +256,14 @@ class Answers:
         return time.monotonic() - self.at <= BUSY_WINDOW
 
     @classmethod
-    def _forget_all(cls) -> None:
+    def forget_all(cls) -> None:
         for answers in list(cls._every):
             answers.at = -math.inf
 
 
-os.register_at_fork(after_in_child=Answers._forget_all)
+def after_fork_in_child() -> None:
+    """Start a forked child with no evidence that any store answers (``django_tokenbucket.lifecycle``)."""
+    Answers.forget_all()
 
 
 def row_id(request: Request) -> RowId:

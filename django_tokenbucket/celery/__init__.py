@@ -92,7 +92,7 @@ _current: contextvars.ContextVar[Reservation | HeldTokens | None] = contextvars.
 
 def celery_settings() -> dict[str, Any]:
     """Return ``TOKENBUCKET["CELERY"]`` merged over CELERY_DEFAULTS."""
-    given = tokenbucket_settings.user_settings.get("CELERY", {})
+    given = tokenbucket_settings.CELERY
     if not isinstance(given, Mapping):
         raise ImproperlyConfigured(f"TOKENBUCKET['CELERY'] must be a dict, not {type(given).__name__}")
     unknown = set(given) - set(CELERY_DEFAULTS)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["Watch", "watching"]
+__all__ = ["Watch", "after_fork_in_child", "watching"]
 
 
 class Watch:
@@ -39,7 +39,7 @@ class _Watchdog:
         self._watches: set[Watch] = set()
         self._thread: threading.Thread | None = None
 
-    def _reset_after_fork(self) -> None:
+    def reset_after_fork(self) -> None:
         # The child has no watchdog thread, and the parent's may have held the lock.
         self.__init__()  # type: ignore[misc]
 
@@ -84,8 +84,11 @@ def _shut_down(fd: int) -> None:
 
 
 _watchdog = _Watchdog()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_watchdog._reset_after_fork)
+
+
+def after_fork_in_child() -> None:
+    """Start a forked child with a watchdog of its own ``(``django_tokenbucket.lifecycle``)``."""
+    _watchdog.reset_after_fork()
 
 
 @contextmanager

@@ -39,8 +39,6 @@ from typing import Any, NamedTuple
 from django.core.cache import caches
 from django.core.cache.backends.base import default_key_func
 from django.core.exceptions import ImproperlyConfigured
-from django.core.signals import setting_changed
-from django.dispatch import receiver
 
 try:
     import django_redis  # noqa: F401  (the error to show when it is missing)
@@ -93,7 +91,7 @@ from .script import (
     _reply_outcome,
 )
 
-__all__ = ["RedisBackend"]
+__all__ = ["RedisBackend", "settings_changed"]
 
 _OPTIONS = {"CACHE", "TIMEOUT"}
 #: Limits whose arguments a backend keeps formatted.
@@ -103,11 +101,10 @@ _LIMITS_CACHE_SIZE = 4096
 _settings_generation = 0
 
 
-@receiver(setting_changed)
-def _settings_changed(*, setting: str, **kwargs: Any) -> None:
+def settings_changed() -> None:
+    """Make every backend reload its client, key prefix and clock (``django_tokenbucket.lifecycle``)."""
     global _settings_generation
-    if setting in ("CACHES", "TOKENBUCKET"):
-        _settings_generation += 1
+    _settings_generation += 1
 
 
 class _Connection(NamedTuple):

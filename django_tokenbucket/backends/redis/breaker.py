@@ -17,12 +17,11 @@ empty in a forked child (a child must find out for itself).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["BREAKERS", "FIRST_BACKOFF", "MAX_BACKOFF", "Breaker", "Breakers"]
+__all__ = ["BREAKERS", "FIRST_BACKOFF", "MAX_BACKOFF", "Breaker", "Breakers", "after_fork_in_child"]
 
 #: Seconds a node is left alone after its first failure, and at most.
 FIRST_BACKOFF = 0.05
@@ -100,7 +99,7 @@ class Breakers:
         self._lock = threading.Lock()
         self._nodes: dict[str, Breaker] = {}
 
-    def _reset_after_fork(self) -> None:
+    def reset_after_fork(self) -> None:
         # The parent's lock may have been held at the fork; its verdicts are not the child's.
         self._lock = threading.Lock()
         self._nodes = {}
@@ -145,5 +144,8 @@ class Breakers:
 
 #: The process's breakers, shared by every Redis backend and client in it.
 BREAKERS = Breakers()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=BREAKERS._reset_after_fork)
+
+
+def after_fork_in_child() -> None:
+    """Start a forked child with no verdict on any node (``django_tokenbucket.lifecycle``)."""
+    BREAKERS.reset_after_fork()

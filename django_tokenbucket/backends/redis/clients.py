@@ -27,7 +27,6 @@ cannot build again (one of your own, django-redis' ``ShardClient``).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -46,6 +45,7 @@ from .connections import ClusterConnectionFactory
 
 __all__ = [
     "CachePrimary",
+    "after_fork_in_child",
     "cache_primary",
     "decision_client",
     "filled_options",
@@ -163,13 +163,11 @@ _own_clients: dict[str, Any] = {}
 _own_clients_lock = threading.Lock()
 
 
-def _new_lock_in_child() -> None:
+def after_fork_in_child() -> None:
+    """Give a forked child a lock of its own (``django_tokenbucket.lifecycle``)."""
     # A fork while another thread held the lock would leave the child's copy held.
     global _own_clients_lock
     _own_clients_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def own_client(primary: CachePrimary, options: dict[str, Any]) -> Any:

@@ -18,7 +18,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["ClusterConnectionFactory", "give_back", "lease", "packed_read", "run_on_link", "script_pool"]
+__all__ = [
+    "ClusterConnectionFactory",
+    "after_fork_in_child",
+    "give_back",
+    "lease",
+    "packed_read",
+    "run_on_link",
+    "script_pool",
+]
 
 
 class ClusterConnectionFactory(ConnectionFactory):  # type: ignore[misc]
@@ -142,13 +150,12 @@ _SPARES = "_django_tokenbucket_spares"
 _spares_made = threading.Lock()
 
 
-def _new_lock_in_child() -> None:
-    # A fork while another thread held the lock would leave the child's copy held.
+def after_fork_in_child() -> None:
+    """Give a forked child locks of its own (``django_tokenbucket.lifecycle``)."""
+    # A fork while another thread held a lock would leave the child's copy held.
     global _spares_made
     _spares_made = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_in_child)
+    ClusterConnectionFactory._lock = threading.Lock()
 
 
 def _spares_of(pool: Any) -> _Spares | None:

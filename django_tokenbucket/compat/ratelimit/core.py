@@ -22,8 +22,6 @@ from typing import Any, NamedTuple, TypedDict
 from django.conf import settings
 from django.core.cache import caches
 from django.core.exceptions import ImproperlyConfigured
-from django.core.signals import setting_changed
-from django.dispatch import receiver
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
@@ -307,12 +305,17 @@ def _limiter() -> Limiter | None:
         return _limiters[alias]
 
 
-@receiver(setting_changed)
-def _forget_limiters(*, setting: str, **kwargs: Any) -> None:
-    # An alias may name another cache after the change (override_settings in tests).
-    if setting in ("CACHES", "RATELIMIT_USE_CACHE", "TOKENBUCKET"):
-        with _limiters_lock:
-            _limiters.clear()
+def settings_changed() -> None:
+    """Forget the limiters (``django_tokenbucket.lifecycle``): an alias may name another cache after the change."""
+    with _limiters_lock:
+        _limiters.clear()
+
+
+def after_fork_in_child() -> None:
+    """Give a forked child a lock of its own (``django_tokenbucket.lifecycle``)."""
+    global _limiters_lock
+    # A fork while another thread made a limiter would leave the child's copy held.
+    _limiters_lock = threading.Lock()
 
 
 def _redis_backend(alias: str) -> BaseBackend:
