@@ -18,7 +18,7 @@ from django.db import transaction
 from . import analytics, clock, deny_cache, hints, metrics, overrides, registry, signals, waits
 from .algorithms import MICRO, Decision
 from .backends import get_backend
-from .backends.base import BackendError, BaseBackend, Outcome, Request, made_request
+from .backends.base import BackendError, BaseBackend, Outcome, Request
 from .exceptions import BackendUnavailable, RateLimited
 from .keys import EncodedKey, encode_key
 from .limits import LimitConfig, count_to_micro, freeze, parse_limit, to_micro
@@ -39,7 +39,7 @@ logger = logging.getLogger("django_tokenbucket")
 ConfigSpec = Union[str, Mapping[str, Any]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LimitRequest:
     """One limit in a ``limit_many`` / ``check_many`` call."""
 
@@ -48,16 +48,6 @@ class LimitRequest:
     count: int | float = 1
     reserve: bool = False
     config: ConfigSpec | LimitConfig | None = None
-
-
-def limit_request(name: str, key: object, count: int | float, config: LimitConfig) -> LimitRequest:
-    """``LimitRequest(name, key, count, config=config)``, for a caller that makes one per
-    request (a DRF throttle): the ``__init__`` of a frozen dataclass sets each field
-    through ``object.__setattr__``, three times the cost. tests/test_fast_path.py keeps
-    the two equal."""
-    made: LimitRequest = object.__new__(LimitRequest)
-    made.__dict__.update(name=name, key=key, count=count, reserve=False, config=config)
-    return made
 
 
 @dataclass(frozen=True)
@@ -792,7 +782,7 @@ class Limiter:
                 micro, fits = _count_in_force(base, limit, count, reserve)
                 if not fits and rule is not None:
                     return self._one_status(limit, key, count, micro, _Outsized(rule), apply=apply, throws=throws)
-        request = made_request(limit, encoded, limit.validate_count(count, reserve), reserve)
+        request = Request(limit, encoded, limit.validate_count(count, reserve), reserve)
         if rule is not None and rule.action != overrides.LIMIT:
             return self._one_status(limit, key, count, request.count, rule, apply=apply, throws=throws)
         limit = request.config

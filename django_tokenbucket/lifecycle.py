@@ -79,6 +79,7 @@ AFTER_FORK: tuple[tuple[str, str], ...] = (
     ("django_tokenbucket.backends.database.deadline", "after_fork_in_child"),
     ("django_tokenbucket.backends.redis.breaker", "after_fork_in_child"),
     ("django_tokenbucket.backends.redis.clients", "after_fork_in_child"),
+    ("django_tokenbucket.backends.redis.spares", "after_fork_in_child"),
     ("django_tokenbucket.backends.redis.connections", "after_fork_in_child"),
     ("django_tokenbucket.analytics", "after_fork_in_child"),
     ("django_tokenbucket.deny_cache", "after_fork_in_child"),

@@ -29,8 +29,6 @@ import os
 import sys
 import threading
 import time
-import weakref
-from bisect import bisect_left
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
@@ -44,8 +42,6 @@ logger = logging.getLogger("django_tokenbucket")
 # Optional: each is needed only by the recorder of its name (``manage.py check``: E050).
 try:
     import prometheus_client
-    import prometheus_client.metrics_core
-    from prometheus_client.utils import floatToGoString
 except ImportError:  # pragma: no cover - depends on the installation
     prometheus_client = None  # type: ignore[assignment]
 try:
@@ -157,39 +153,19 @@ class PrometheusRecorder:
     a multiprocess server (Gunicorn, uWSGI), set ``PROMETHEUS_MULTIPROC_DIR`` before the
     workers start: each then writes its own file, and
     ``prometheus_client.multiprocess.MultiProcessCollector`` sums them (docs/operations.md).
-    ``prometheus_recorder()`` picks the kind of recorder that suits the process.
+    Every figure goes through ``prometheus_client``'s own labelled children, so its
+    exposition, its thread safety and its multiprocess mode apply as they are.
     """
 
     def __init__(self, registry: Any = None) -> None:
         self.registry = registry or prometheus_client.REGISTRY
         Counter = partial(prometheus_client.Counter, registry=self.registry)
-        self._errors = _Labelled(Counter("tokenbucket_store_errors", ERRORS_HELP, ["backend", "error"]))
-        self._reservations = _Labelled(Counter("tokenbucket_reservations", RESERVATIONS_HELP, ["event"]))
-        self._limit_label = _LimitLabels()
-
-    def decision(self, limit: str, backend: str, outcome: str) -> None:
-        raise NotImplementedError
-
-    def store_seconds(self, backend: str, seconds: float) -> None:
-        raise NotImplementedError
-
-    def store_error(self, backend: str, error: str) -> None:
-        self._errors(backend, error).inc()
-
-    def reservation(self, event: str, count: int = 1) -> None:
-        self._reservations(event).inc(count)
-
-
-class LockedPrometheusRecorder(PrometheusRecorder):
-    """Each decision added to ``prometheus_client``'s own children: what its multiprocess
-    mode needs, since there every value lives in the process' file, not in memory."""
-
-    def __init__(self, registry: Any = None) -> None:
-        super().__init__(registry)
-        Counter = partial(prometheus_client.Counter, registry=self.registry)
         Histogram = partial(prometheus_client.Histogram, registry=self.registry, buckets=BUCKETS)
         self._decisions = _Labelled(Counter("tokenbucket_decisions", DECISIONS_HELP, DECISION_LABELS))
         self._seconds = _Labelled(Histogram("tokenbucket_decision_seconds", SECONDS_HELP, ["backend"]))
+        self._errors = _Labelled(Counter("tokenbucket_store_errors", ERRORS_HELP, ["backend", "error"]))
+        self._reservations = _Labelled(Counter("tokenbucket_reservations", RESERVATIONS_HELP, ["event"]))
+        self._limit_label = _LimitLabels()
         # On every decision, each figure is one dict lookup and a call of the child's
         # bound method, kept: the children's lookups cost as much as their increments.
         self._count_decision: dict[tuple[str, str, str], Callable[[], None]] = {}
@@ -211,192 +187,19 @@ class LockedPrometheusRecorder(PrometheusRecorder):
             observe = self._observe_seconds[backend] = self._seconds(backend).observe
         observe(seconds)
 
+    def store_error(self, backend: str, error: str) -> None:
+        self._errors(backend, error).inc()
 
-class TalliedPrometheusRecorder(PrometheusRecorder):
-    """Decisions and store times tallied by each thread in dicts of its own, summed when
-    the registry is read (a scrape): a child's ``inc()`` and ``observe()`` take a lock
-    per value, ~1 µs a decision together, where a thread adding to what only it writes
-    needs none. The exposition is the same as the children's (names, labels, buckets,
-    ``_created``). Not for the multiprocess mode, which reads values from files.
-    """
-
-    def __init__(self, registry: Any = None) -> None:
-        super().__init__(registry)
-        self._tallies = _Tallies()
-        #: (limit, backend, outcome) -> its labels, past the label bound included.
-        self._labels: dict[tuple[str, str, str], tuple[str, str, str]] = {}
-        #: labels -> when this process first counted them, for the ``_created`` samples.
-        self._created: dict[tuple[str, ...], float] = {}
-        self.registry.register(_TalliesCollector(self._tallies, self._created))
-
-    def decision(self, limit: str, backend: str, outcome: str) -> None:
-        labels = self._labels.get((limit, backend, outcome))
-        if labels is None:
-            labels = self._first_seen(limit, backend, outcome)
-        try:
-            counts = self._tallies.local.counts
-        except AttributeError:
-            counts = self._tallies.join().counts
-        counts[labels] = counts.get(labels, 0) + 1
-
-    def store_seconds(self, backend: str, seconds: float) -> None:
-        try:
-            histograms = self._tallies.local.histograms
-        except AttributeError:
-            histograms = self._tallies.join().histograms
-        histogram = histograms.get(backend)
-        if histogram is None:
-            self._created.setdefault((backend,), time.time())
-            histogram = histograms[backend] = _empty_histogram()
-        # The first bound at or above the value: Prometheus' buckets hold "le" (<=).
-        histogram[bisect_left(BUCKETS, seconds)] += 1
-        histogram[-1] += seconds
-
-    def _first_seen(self, limit: str, backend: str, outcome: str) -> tuple[str, str, str]:
-        labels = (self._limit_label(limit), backend, outcome)
-        self._created.setdefault(labels, time.time())
-        if labels[0] == limit:  # names past the bound are not kept, however many come
-            self._labels[(limit, backend, outcome)] = labels
-        return labels
-
-
-class _ThreadTally:
-    """What one thread counted: decisions by labels, and per backend the store times'
-    bucket counts (one per bound, then +Inf) followed by their sum."""
-
-    __slots__ = ("counts", "histograms", "thread")
-
-    def __init__(self, thread: threading.Thread) -> None:
-        self.thread = thread
-        self.counts: dict[tuple[str, ...], int] = {}
-        self.histograms: dict[str, list[float]] = {}
-
-
-class _Tallies:
-    """Every thread's tally, and the sums of threads that ended.
-
-    Only its own thread writes a tally; a reader copies each dict and list whole (one C
-    call, atomic under the GIL), so it sees every increment made before it or none,
-    never half of one. A thread's tally is folded into ``ended`` once the thread has
-    ended, on a read or when tallies pile up (a server making a thread per request, and
-    nobody reading): it is kept as long as a live thread may still write it.
-    """
-
-    def __init__(self) -> None:
-        self.local = threading.local()
-        self._lock = threading.Lock()
-        self._threads: list[_ThreadTally] = []
-        self._ended = _ThreadTally(threading.current_thread())
-        self._sweep_at = _SWEEP_AT
-        _every_tallies.add(self)
-
-    def join(self) -> _ThreadTally:
-        """Return the calling thread's tally, made now (the thread's first figure)."""
-        tally = _ThreadTally(threading.current_thread())
-        with self._lock:
-            self._threads.append(tally)
-            if len(self._threads) >= self._sweep_at:
-                self._fold_ended()
-                self._sweep_at = max(_SWEEP_AT, 2 * len(self._threads))
-        self.local.counts, self.local.histograms = tally.counts, tally.histograms
-        return tally
-
-    def read(self) -> tuple[dict[tuple[str, ...], int], dict[str, list[float]]]:
-        """Return the counts and histograms of every thread so far, summed."""
-        with self._lock:
-            self._fold_ended()
-            counts, histograms = dict(self._ended.counts), {b: list(h) for b, h in self._ended.histograms.items()}
-            for tally in self._threads:
-                _add(counts, histograms, tally)
-        return counts, histograms
-
-    def _fold_ended(self) -> None:
-        running = []
-        for tally in self._threads:
-            # Whether the thread ended is asked before its tally is read: read after, it
-            # could miss what the thread wrote between the two.
-            if tally.thread.is_alive():
-                running.append(tally)
-            else:
-                _add(self._ended.counts, self._ended.histograms, tally)
-        self._threads = running
-
-    def after_fork(self) -> None:
-        """Make the tallies usable in a forked child (``metrics.after_fork_in_child``)."""
-        # The parent's threads did not come along, and its lock may have been held by one.
-        self._lock = threading.Lock()
-
-
-#: The histogram's "le" labels, as prometheus_client writes its bounds (+Inf last).
-BOUND_LABELS = (
-    tuple(floatToGoString(bound) for bound in (*BUCKETS, float("inf")))  # type: ignore[no-untyped-call]
-    if prometheus_client
-    else ()
-)
-#: Every recorder's tallies (a test makes recorders of its own), for a forked child.
-_every_tallies: weakref.WeakSet[_Tallies] = weakref.WeakSet()
-#: Tallies kept before the first sweep for ended threads (then twice those left running).
-_SWEEP_AT = 64
-
-
-def _empty_histogram() -> list[float]:
-    return [0.0] * (len(BUCKETS) + 2)  # a count per bound and +Inf, then the sum
-
-
-def _add(counts: dict[tuple[str, ...], int], histograms: dict[str, list[float]], tally: _ThreadTally) -> None:
-    for labels, count in tally.counts.copy().items():
-        counts[labels] = counts.get(labels, 0) + count
-    for backend, histogram in tally.histograms.copy().items():
-        total = histograms.setdefault(backend, _empty_histogram())
-        for i, value in enumerate(list(histogram)):
-            total[i] += value
-
-
-class _TalliesCollector:
-    """Exposes the tallies in the registry as the children of a ``Counter`` and a
-    ``Histogram`` would be."""
-
-    def __init__(self, tallies: _Tallies, created: dict[tuple[str, ...], float]) -> None:
-        self._tallies = tallies
-        self._created = created
-
-    def describe(self) -> list[Any]:
-        # The names the registry checks for clashes, without reading the tallies.
-        return self._families()
-
-    def collect(self) -> list[Any]:
-        decisions, seconds = self._families()
-        counts, histograms = self._tallies.read()
-        with_created = getattr(prometheus_client.metrics, "_use_created", True)
-        for labels, count in sorted(counts.items()):
-            decisions.add_metric(labels, float(count), created=self._created.get(labels) if with_created else None)
-        for backend, histogram in sorted(histograms.items()):
-            buckets: list[tuple[str, float]] = []
-            running = 0.0
-            for bound, in_bucket in zip(BOUND_LABELS, histogram):
-                running += in_bucket
-                buckets.append((bound, running))
-            seconds.add_metric([backend], buckets, histogram[-1])
-            if with_created:
-                created = self._created[(backend,)]
-                seconds.add_sample("tokenbucket_decision_seconds_created", {"backend": backend}, created)
-        return [decisions, seconds]
-
-    def _families(self) -> list[Any]:
-        core = prometheus_client.metrics_core
-        return [
-            core.CounterMetricFamily("tokenbucket_decisions", DECISIONS_HELP, labels=DECISION_LABELS),
-            core.HistogramMetricFamily("tokenbucket_decision_seconds", SECONDS_HELP, labels=["backend"]),
-        ]
+    def reservation(self, event: str, count: int = 1) -> None:
+        self._reservations(event).inc(count)
 
 
 def prometheus_recorder(registry: Any = None) -> PrometheusRecorder:
-    """The Prometheus recorder for this process: tallied, unless ``prometheus_client`` is
-    in its multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set, read as it reads it)."""
+    """The Prometheus recorder for this process, with a warning when it is a worker of a
+    multiprocess server outside ``prometheus_client``'s multiprocess mode
+    (``PROMETHEUS_MULTIPROC_DIR`` unset, read as it reads it)."""
     multiprocess = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
-    if multiprocess:
-        return LockedPrometheusRecorder(registry)
-    server = multiprocess_server()
+    server = None if multiprocess else multiprocess_server()
     if server is not None:
         logger.warning(
             "TOKENBUCKET['METRICS'] = 'prometheus' in %s without PROMETHEUS_MULTIPROC_DIR: each worker "
@@ -405,7 +208,7 @@ def prometheus_recorder(registry: Any = None) -> PrometheusRecorder:
             "(docs/operations.md, 'Metrics')",
             server,
         )
-    return TalliedPrometheusRecorder(registry)
+    return PrometheusRecorder(registry)
 
 
 def multiprocess_server() -> str | None:
@@ -553,9 +356,7 @@ def settings_changed() -> None:
 
 
 def after_fork_in_child() -> None:
-    """Make this process' recorders usable in a forked child (``django_tokenbucket.lifecycle``)."""
+    """Give a forked child the recorder's lock of its own (``django_tokenbucket.lifecycle``)."""
     global _made_lock
     # The parent's lock may have been held by another thread at the fork.
     _made_lock = threading.Lock()
-    for tallies in list(_every_tallies):
-        tallies.after_fork()

@@ -14,11 +14,10 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 
-from django_tokenbucket import LimitRequest, RateLimited, limiter
+from django_tokenbucket import RateLimited, limiter
 from django_tokenbucket.algorithms import MICRO, Decision
-from django_tokenbucket.api import limit_request
 from django_tokenbucket.backends import get_backend
-from django_tokenbucket.backends.base import RecentDenials, Request, made_request
+from django_tokenbucket.backends.base import RecentDenials, Request
 from django_tokenbucket.backends.redis import RedisBackend, state_key
 from django_tokenbucket.backends.redis import backend as redis_backend
 from django_tokenbucket.keys import encode_key
@@ -164,29 +163,6 @@ def test_a_decided_status_equals_one_made_by_its_init():
     assert list(vars(fast)) == [f.name for f in dataclasses.fields(Status)] == list(vars(made))
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.ok = True  # type: ignore[misc]
-
-
-@pytest.mark.parametrize(
-    "fast, made",
-    [
-        (
-            lambda config, key: made_request(config, key, 3 * MICRO, True),
-            lambda config, key: Request(config, key, 3 * MICRO, True),
-        ),
-        (
-            lambda config, key: limit_request("login", ("tenant", 7), 2, config),
-            lambda config, key: LimitRequest("login", ("tenant", 7), 2, config=config),
-        ),
-    ],
-    ids=["Request", "LimitRequest"],
-)
-def test_a_request_made_fast_equals_one_made_by_its_init(fast, made):
-    config, key = limiter.resolve("login"), encode_key(("tenant", 7))
-    quick, slow = fast(config, key), made(config, key)
-    assert quick == slow and hash(quick) == hash(slow) and repr(quick) == repr(slow)
-    assert list(vars(quick)) == [f.name for f in dataclasses.fields(type(slow))] == list(vars(slow))
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        quick.count = 1  # type: ignore[misc]
 
 
 def test_recent_denials_keep_a_key_denied_again_once_and_stay_bounded():

@@ -233,42 +233,53 @@ def test_counts_of_several_processes_sum_to_their_decisions(tmp_path: Path, redi
     assert summed("denied_cached") > 0
 
 
-# -- the tallied recorder: counts kept per thread, read at scrape -------------------------------
+# -- the recorder: prometheus_client's own children, across threads and forks -------------------
 
 #: Store times around and on the buckets' bounds ("le": a value on a bound is in its bucket).
 SECONDS = [0.0, 0.00005, 0.0001, 0.00010001, 0.0003, 0.001, 0.0049, 0.1, 2.5, 2.6, 40.0]
 
 
-def exposition(registry: CollectorRegistry) -> list[tuple[str, str, float]]:
-    # The _created samples hold when each series began, which differs between two recorders.
-    return sorted(
-        (sample.name, json.dumps(sample.labels, sort_keys=True), sample.value)
-        for family in registry.collect()
-        for sample in family.samples
-        if not sample.name.endswith("_created")
-    )
-
-
-def test_tallied_figures_read_as_prometheus_clients_own_children_would():
-    tallied, locked = CollectorRegistry(), CollectorRegistry()
-    recorders = [metrics.TalliedPrometheusRecorder(tallied), metrics.LockedPrometheusRecorder(locked)]
-    for recorder in recorders:
-        for i, seconds in enumerate(SECONDS):
-            recorder.store_seconds("default" if i % 3 else "redis", seconds)
-            recorder.decision("login", "default", metrics.OUTCOMES[i % len(metrics.OUTCOMES)])
-        recorder.decision("search", "redis", metrics.ALLOWED)
-        recorder.store_error("redis", "ConnectionError")
-        recorder.reservation("scheduled", 3)
-    assert exposition(tallied) == exposition(locked)
-    # 0.00005 and 0.0001 on "default" (every third value is "redis's"): the bound is in its bucket.
-    assert tallied.get_sample_value("tokenbucket_decision_seconds_bucket", {"backend": "default", "le": "0.0001"}) == 2
-    created = {s.name for f in tallied.collect() for s in f.samples if s.name.endswith("_created")}
-    assert created == {s.name for f in locked.collect() for s in f.samples if s.name.endswith("_created")}
-
-
-def test_no_count_is_lost_between_threads_or_when_they_end():
+def test_the_exposition_has_every_family_its_labels_buckets_and_created_samples():
     registry = CollectorRegistry()
-    recorder = metrics.TalliedPrometheusRecorder(registry)
+    recorder = metrics.PrometheusRecorder(registry)
+    for i, seconds in enumerate(SECONDS):
+        recorder.store_seconds("default" if i % 3 else "redis", seconds)
+        recorder.decision("login", "default", metrics.OUTCOMES[i % len(metrics.OUTCOMES)])
+    recorder.decision("search", "redis", metrics.ALLOWED)
+    recorder.store_error("redis", "ConnectionError")
+    recorder.reservation("scheduled", 3)
+    value = registry.get_sample_value
+    assert [value("tokenbucket_decisions_total", {**LOGIN_ALLOWED, "outcome": o}) for o in metrics.OUTCOMES] == [
+        2,
+        2,
+        2,
+        1,
+        1,
+        1,
+        1,
+        1,
+    ]
+    assert value("tokenbucket_decisions_total", {"limit": "search", "backend": "redis", "outcome": "allowed"}) == 1
+    # 0.00005 and 0.0001 on "default" (every third value is "redis's"): the bound is in its bucket.
+    assert value("tokenbucket_decision_seconds_bucket", {"backend": "default", "le": "0.0001"}) == 2
+    assert value("tokenbucket_decision_seconds_bucket", {"backend": "default", "le": "2.5"}) == 6
+    assert value("tokenbucket_decision_seconds_bucket", {"backend": "default", "le": "+Inf"}) == 7
+    assert value("tokenbucket_decision_seconds_count", {"backend": "redis"}) == 4
+    assert value("tokenbucket_decision_seconds_sum", {"backend": "redis"}) == pytest.approx(2.60500001)
+    assert value("tokenbucket_store_errors_total", {"backend": "redis", "error": "ConnectionError"}) == 1
+    assert value("tokenbucket_reservations_total", {"event": "scheduled"}) == 3
+    created = {s.name for f in registry.collect() for s in f.samples if s.name.endswith("_created")}
+    assert created == {
+        "tokenbucket_decisions_created",
+        "tokenbucket_decision_seconds_created",
+        "tokenbucket_store_errors_created",
+        "tokenbucket_reservations_created",
+    }
+
+
+def test_no_count_is_lost_between_threads_or_scrapes():
+    registry = CollectorRegistry()
+    recorder = metrics.PrometheusRecorder(registry)
     threads_, per_thread = 8, 5000
     reads: list[float] = []
     start = threading.Barrier(threads_ + 1)
@@ -290,61 +301,31 @@ def test_no_count_is_lost_between_threads_or_when_they_end():
         worker.join()
     assert reads == sorted(reads)  # a scrape never sees fewer than the one before it
     assert registry.get_sample_value("tokenbucket_decisions_total", LOGIN_ALLOWED) == threads_ * per_thread
-    assert registry.get_sample_value("tokenbucket_decision_seconds_count", {"backend": "default"}) == threads_ * per_thread
-    assert recorder._tallies._threads == []  # every thread ended: its tally folded into the sum
+    assert (
+        registry.get_sample_value("tokenbucket_decision_seconds_count", {"backend": "default"}) == threads_ * per_thread
+    )
 
 
-def test_a_thread_per_request_without_scrapes_keeps_a_bounded_number_of_tallies():
-    # runserver makes a thread per request; metrics may be on with nobody scraping.
+def test_a_forked_child_counts_on_from_its_parents_figures_and_the_parent_keeps_its_own():
     registry = CollectorRegistry()
-    recorder = metrics.TalliedPrometheusRecorder(registry)
-    kept = []
-    for _ in range(1000):
-        thread = threading.Thread(target=recorder.decision, args=("login", "default", metrics.ALLOWED))
-        thread.start()
-        thread.join()
-        kept.append(len(recorder._tallies._threads))
-    assert max(kept) <= metrics._SWEEP_AT
-    assert registry.get_sample_value("tokenbucket_decisions_total", LOGIN_ALLOWED) == 1000
-
-
-def test_a_forked_child_reads_its_figures_though_a_parent_thread_held_the_lock():
-    registry = CollectorRegistry()
-    recorder = metrics.TalliedPrometheusRecorder(registry)
-    recorder.decision("login", "default", metrics.ALLOWED)
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with recorder._tallies._lock:
-            held.set()
-            release.wait()
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait()
-    try:
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child's outcome is its exit status
-            recorder.decision("login", "default", metrics.ALLOWED)
-            os._exit(0 if registry.get_sample_value("tokenbucket_decisions_total", LOGIN_ALLOWED) == 2 else 1)
-        deadline = time.monotonic() + 30
-        while (ended := os.waitpid(child, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if ended == (0, 0):
-            os.kill(child, signal.SIGKILL)
-            os.waitpid(child, 0)
-            pytest.fail("the forked child hung on the lock a parent thread held")
-        assert os.waitstatus_to_exitcode(ended[1]) == 0
-    finally:
-        release.set()
-        holder.join()
-
-
-def test_the_multiprocess_mode_gets_the_locked_recorder(monkeypatch):
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/not-read-here")
-    assert isinstance(metrics.prometheus_recorder(CollectorRegistry()), metrics.LockedPrometheusRecorder)
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
-    assert isinstance(metrics.prometheus_recorder(CollectorRegistry()), metrics.TalliedPrometheusRecorder)
+    recorder = metrics.PrometheusRecorder(registry)
+    # A thread that counted and ended, as a request thread before a server forks.
+    counter = threading.Thread(target=recorder.decision, args=("login", "default", metrics.ALLOWED))
+    counter.start()
+    counter.join()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child's outcome is its exit status
+        recorder.decision("login", "default", metrics.ALLOWED)
+        os._exit(0 if registry.get_sample_value("tokenbucket_decisions_total", LOGIN_ALLOWED) == 2 else 1)
+    deadline = time.monotonic() + 30
+    while (ended := os.waitpid(child, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if ended == (0, 0):
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        pytest.fail("the forked child hung counting a decision")
+    assert os.waitstatus_to_exitcode(ended[1]) == 0
+    assert registry.get_sample_value("tokenbucket_decisions_total", LOGIN_ALLOWED) == 1
 
 
 LOGIN_ALLOWED = {"limit": "login", "backend": "default", "outcome": "allowed"}
@@ -374,6 +355,16 @@ def test_a_worker_of_a_multiprocess_server_is_told_what_a_scrape_sees(monkeypatc
         assert lines == []
     else:
         assert len(lines) == 1 and warned in lines[0] and "a scrape of /metrics sees" in lines[0]
+
+
+def test_a_worker_in_the_multiprocess_mode_is_not_warned(monkeypatch, caplog, tmp_path):
+    import types
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "gunicorn.workers.base", types.SimpleNamespace())
+    with caplog.at_level("WARNING", logger="django_tokenbucket"):
+        metrics.prometheus_recorder(CollectorRegistry())
+    assert not [r for r in caplog.records if "PROMETHEUS_MULTIPROC_DIR" in r.getMessage()]
 
 
 # -- the /metrics view docs/operations.md gives -------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import socket
 import time
 from contextlib import contextmanager
 from dataclasses import FrozenInstanceError, replace
@@ -35,6 +36,7 @@ from django_tokenbucket.api import Limiter
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.backends.base import BUSY_WINDOW, BackendError, Outcome, Request
 from django_tokenbucket.backends.redis import BIGNUM_MARKER, SCRIPT, RedisBackend, state_key
+from django_tokenbucket.backends.redis import spares as spares_module
 from django_tokenbucket.backends.redis.connections import _client_retries, packed_read
 from django_tokenbucket.backends.redis.keyspace import cursor_carries_slot, scanned_fraction
 from django_tokenbucket.backends.redis.script import MAX_TTL_MS, _decision, _make_outcome, _msgpack, _reply_outcome
@@ -999,7 +1001,7 @@ def test_listing_through_a_client_that_decodes_responses():
 
 
 def _spare_links(backend: RedisBackend) -> list:
-    spares = getattr(backend.client().connection_pool, "_django_tokenbucket_spares", None)
+    spares = spares_module._by_pool.get(backend.client().connection_pool)
     return [] if spares is None else spares.links
 
 
@@ -1022,7 +1024,7 @@ def test_a_decision_after_the_server_closed_its_connection_connects_again(backen
 def test_spares_are_at_most_a_quarter_of_the_pools_connections():
     """The pool counts a spare in use for good: the cache's other users keep three
     quarters of max_connections. A blocking pool keeps its own lending."""
-    from django_tokenbucket.backends.redis.connections import give_back, lease
+    from django_tokenbucket.backends.redis.spares import give_back, lease
 
     where = {"host": settings.REDIS_HOST, "port": settings.REDIS_PORT, "max_connections": 8}
     pool = redis.ConnectionPool(**where)
@@ -1032,17 +1034,60 @@ def test_spares_are_at_most_a_quarter_of_the_pools_connections():
         assert len({id(link) for link in links}) == 5
         for link in links:
             give_back(pool, link)
-        assert pool._django_tokenbucket_spares.links == links[:2]
+        assert spares_module._by_pool[pool].links == links[:2]
         assert len(pool._in_use_connections) == 2 and len(pool._available_connections) == 3
         assert lease(pool) is links[1]  # a spare, not a connection the pool lends
 
         link = lease(blocking)
         give_back(blocking, link)
-        assert not hasattr(blocking, "_django_tokenbucket_spares")
+        assert blocking not in spares_module._by_pool
+        assert not any(name.startswith("_django_tokenbucket") for name in vars(pool))  # nothing written on it
         assert blocking.pool.qsize() == 8  # every connection back in the pool's queue
     finally:
         pool.disconnect()
         blocking.disconnect()
+
+
+def test_the_redis_py_internal_the_spares_read_is_there(backend):
+    """``spares`` reads one private name of redis-py, ``Connection._sock`` (its module's
+    docstring): the socket, None while disconnected. If a redis-py release renames it,
+    decisions still work through the pool's own lending (the next test), but the spares
+    are gone: this test says so."""
+    pool = backend.client().connection_pool
+    link = spares_module.lease(pool)
+    try:
+        assert spares_module.knows(link)
+        assert isinstance(link._sock, socket.socket)  # connected: polled before each use
+        link.disconnect()
+        assert link._sock is None  # disconnected: connected again before use
+    finally:
+        spares_module.give_back(pool, link)
+    assert _spare_links(backend)[-1] is link
+
+
+def test_a_connection_without_the_socket_attribute_goes_through_the_pools_own_lending():
+    class Link:  # a connection class that keeps its socket elsewhere
+        pass
+
+    class Pool:
+        max_connections = 8
+
+        def __init__(self) -> None:
+            self.lent: list[Link] = []
+            self.released: list[Link] = []
+
+        def get_connection(self, *command: str) -> Link:
+            self.lent.append(Link())
+            return self.lent[-1]
+
+        def release(self, link: Link) -> None:
+            self.released.append(link)
+
+    pool = Pool()
+    for _ in range(3):
+        spares_module.give_back(pool, spares_module.lease(pool))
+    assert pool.released == pool.lent and len(pool.lent) == 3
+    assert spares_module._by_pool[pool].links == []
 
 
 def test_a_forked_child_never_writes_to_its_parents_spares(backend):

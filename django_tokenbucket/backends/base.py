@@ -47,7 +47,7 @@ __all__ = [
 RowId = tuple[str, str]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Request:
     """One limit to decide: ``count`` micro-tokens from ``config`` for ``key``."""
 
@@ -55,15 +55,6 @@ class Request:
     key: EncodedKey
     count: int
     reserve: bool = False
-
-
-def made_request(config: LimitConfig, key: EncodedKey, count: int, reserve: bool) -> Request:
-    """``Request(config, key, count, reserve)`` without the frozen dataclass' ``__init__``
-    (a setattr per field), on the path of every decision. tests/test_fast_path.py keeps
-    the two equal."""
-    request: Request = object.__new__(Request)
-    request.__dict__.update(config=config, key=key, count=count, reserve=reserve)
-    return request
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from rest_framework.throttling import BaseThrottle
 
 from .. import clock, registry
 from ..algorithms import MICRO
-from ..api import LimitRequest, limit_request, limiter
+from ..api import LimitRequest, limiter
 from ..exceptions import BackendUnavailable, RateLimited
 from ..http import add_ratelimit_headers
 from ..ip import client_address, ip_key
@@ -344,7 +344,7 @@ TokenBucketThrottle = SimpleRateThrottle
 def _limit_request(name: str, rate: str, key: object, count: float) -> LimitRequest:
     if isinstance(rate, LimitRate):
         return LimitRequest(rate.limit_name, key, count)
-    return limit_request(name, key, count, _scope_limit(name, rate))
+    return LimitRequest(name, key, count, config=_scope_limit(name, rate))
 
 
 @lru_cache(maxsize=256)

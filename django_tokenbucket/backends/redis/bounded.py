@@ -52,7 +52,7 @@ from redis.utils import str_if_bytes
 
 from ..base import timeout_option
 from .breaker import BREAKERS, Breakers
-from .connections import _pooled_connection, give_back, lease
+from .spares import give_back, lease, pooled_connection
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -180,12 +180,12 @@ def _on_link(
     """Send ``commands`` together on a connection of ``pool``; read their replies until ``deadline``.
 
     ``packed``: the commands already packed. ``spare``: a connection that the process'
-    decisions hand to each other (``connections.lease``), on a one-server pool. A reply
+    decisions hand to each other (``spares.lease``), on a one-server pool. A reply
     that is an error is raised after every reply was read (the connection stays in
     step); the first one wins.
     """
     try:
-        link = lease(pool) if spare else _pooled_connection(pool)
+        link = lease(pool) if spare else pooled_connection(pool)
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
         breakers.failed(node)
         _mark(exc, sent=False)
@@ -244,7 +244,7 @@ def single_execute(
     packed: Any = None,
 ) -> list[Any]:
     """Run ``commands`` together on the server of ``pool`` (no retry) within ``deadline``; their
-    replies. On a spare connection (``connections.lease``), as the calls without a deadline."""
+    replies. On a spare connection (``spares.lease``), as the calls without a deadline."""
     node = node_of(pool)
     if not breakers.allow(node):
         raise refused(node, breakers)
@@ -453,7 +453,7 @@ async def aread(pool: Any, commands: Sequence[Sequence[Any]], *, guard: bool) ->
     if guard and not BREAKERS.allow(node):
         raise refused(node)
     try:
-        link = await _pooled_connection(pool)
+        link = await pooled_connection(pool)
     except (RedisConnectionError, RedisTimeoutError, OSError):
         if guard:
             BREAKERS.failed(node)

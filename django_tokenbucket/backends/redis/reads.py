@@ -21,8 +21,9 @@ from redis.exceptions import RedisError, ResponseError
 from ... import clock
 from ..base import Outcome, Request
 from .bounded import aread, single_execute
-from .connections import give_back, lease, packed_read
+from .connections import packed_read
 from .script import _decision, _make_outcome, _microseconds, _parse_state
+from .spares import give_back, lease
 
 __all__ = ["ReadsFirst"]
 
