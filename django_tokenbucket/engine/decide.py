@@ -25,14 +25,14 @@ from django.core.exceptions import ImproperlyConfigured
 
 from .. import clock, deny_cache
 from ..algorithms import MICRO, Decision
-from ..backends.base import Outcome, Request
+from ..backends.base import Outcome, Request, made_request
 from ..keys import encode_key
 from ..limits import LimitConfig
 from ..overrides import Override
 from ..status import Status
 from . import report, statuses
 from .names import ConfigSpec, encode_for, resolve
-from .rules import LOOK_UP, Outsized, action, request_for, settles
+from .rules import LOOK_UP, Outsized, count_in_force, in_force, settles
 from .sharding import plan_shards, sharded_decision
 from .steps import Decide, Steps
 from .stores import Stores
@@ -60,9 +60,23 @@ class Asked(Protocol):
 
 
 class Item:
-    """One limit of a call, as it goes through the pipeline."""
+    """One limit of a call, as it goes through the pipeline.
 
-    __slots__ = ("count", "decision", "key", "limit", "now", "parts", "request", "rule", "status", "untouched")
+    What most calls never set is a class default: the attributes set per call are the
+    cost of every request (no ``__slots__`` for the same reason).
+    """
+
+    #: Set once known: settled by an override, recalled, undecided, failed open, or
+    #: (``finish``) made from the store's decision.
+    status: Status | None = None
+    decision: Decision | None = None
+    now = 0
+    #: The ``override`` its Status reports: the action of the override decided under.
+    override: str | None = None
+    #: On a sharded limit: the shards' requests it is decided as (``store``), and the
+    #: value of the shard read but not taken from.
+    parts: list[Request] | None = None
+    untouched = 0
 
     def __init__(self, key: object, count: int | float, request: Request, rule: Override | Outsized | None) -> None:
         self.key = key
@@ -72,30 +86,22 @@ class Item:
         self.limit: LimitConfig = request.config
         self.request = request
         self.rule = rule
-        #: Set once known: settled by an override, recalled, undecided, failed open, or
-        #: (``finish``) made from the store's decision.
-        self.status: Status | None = None
-        self.decision: Decision | None = None
-        self.now = 0
-        #: On a sharded limit: the shards' requests it is decided as (``store``), and
-        #: the value of the shard read but not taken from.
-        self.parts: list[Request] | None = None
-        self.untouched = 0
 
 
 class Call:
     """One decision of one or several limits, all-or-nothing."""
 
-    __slots__ = ("apply", "before", "items", "pending", "stores")
+    #: Whether an override decides one of its limits without the store (``settles``).
+    overridden = False
+    #: Whether the store is to be asked (``store``).
+    pending = True
+    #: ``deny_cache.now()`` read before the enforced limits' store call, for ``learn``.
+    before: tuple[bool, int, int] | None = None
 
     def __init__(self, stores: Stores, apply: bool) -> None:
         self.stores = stores
         self.apply = apply
         self.items: list[Item] = []
-        #: Whether the store is to be asked (``store``).
-        self.pending = True
-        #: ``deny_cache.now()`` read before the enforced limits' store call, for ``learn``.
-        self.before: tuple[bool, int, int] | None = None
 
 
 # -- rule, recall ----------------------------------------------------------------------
@@ -113,7 +119,10 @@ def begin(stores: Stores, asked: Sequence[Asked], *, apply: bool, rules: Sequenc
         _ask(call, resolve(item.name, item.config), item.key, item.count, item.reserve, rule)
     if stores.own is None and len(call.items) > 1:
         one_backend([item.limit for item in call.items])
-    _settle(call)
+    if call.overridden:
+        _settle(call)
+    if call.pending:
+        _recall(call)
     return call
 
 
@@ -129,10 +138,14 @@ def begin_one(
     rule: Override | None,
 ) -> Call:
     """``begin`` for one limit, without the sequence of several: every request's call."""
-    _check_reserve(name, reserve)
+    if reserve is not True and reserve is not False:
+        _check_reserve(name, reserve)
     call = Call(stores, apply)
     _ask(call, resolve(name, config), key, count, reserve, rule)
-    _settle(call)
+    if call.overridden:
+        _settle(call)
+    if call.pending:
+        _recall(call)
     return call
 
 
@@ -142,40 +155,52 @@ def _check_reserve(name: str, reserve: object) -> None:
 
 
 def _ask(call: Call, limit: LimitConfig, key: object, count: int | float, reserve: bool, rule: Override | None) -> None:
-    """Add one limit to ``call``: its request under the key's override (**rule**)."""
+    """Add one limit to ``call``: its request on the numbers in force under the key's
+    override (**rule**; ``rule``: one the caller applied already, or ``LOOK_UP``), or
+    ``Outsized`` when its count is more than the override can ever admit
+    (``count_in_force``)."""
     try:
         encoded = encode_key(key)
     except TypeError:
         encoded = encode_for(limit, key)  # raises what names the limit
-    request, ruling = request_for(limit, encoded, count, reserve, rule)
-    call.items.append(Item(key, count, request, ruling))
+    base = limit
+    if rule is LOOK_UP:
+        limit, rule = in_force(limit, encoded.digest)
+    if rule is None:
+        # The common case, no override of this limit: the lookup only.
+        call.items.append(
+            Item(key, count, made_request(limit, encoded, limit.validate_count(count, reserve), reserve), None)
+        )
+        return
+    micro, fits = count_in_force(base, limit, count, reserve)
+    ruling = rule if fits else Outsized(rule)
+    call.overridden = call.overridden or settles(ruling)
+    item = Item(key, count, made_request(limit, encoded, micro, reserve), ruling)
+    item.override = rule.action
+    call.items.append(item)
 
 
 def _settle(call: Call) -> None:
-    """Decide what overrides decide without the store, then ask memory (**recall**).
+    """Decide what overrides decide without the store.
 
     Exempt limits take no part in the decision; a blocked one (or one whose override is
     too small for its count) refuses the whole call, all-or-nothing, and the others are
     not asked (they took nothing).
     """
     items = call.items
-    settled = [item for item in items if item.rule is not None and settles(item.rule)]
-    if settled:
-        now = clock.app_now()
-        for item in settled:
-            rule = item.rule
-            refused = isinstance(rule, Outsized)
-            ruling = rule.rule if isinstance(rule, Outsized) else rule
-            assert ruling is not None
-            item.status = statuses.overridden(item.limit, item.key, item.request.count, ruling, now, refused=refused)
-        if any(not item.status.ok for item in settled):  # type: ignore[union-attr]
-            for item in items:
-                if item.status is None:
-                    item.status = statuses.undecided(item.limit, item.key, item.request.count / MICRO)
-        if all(item.status is not None for item in items):
-            call.pending = False
-            return
-    _recall(call)
+    settled = [item for item in items if settles(item.rule)]
+    now = clock.app_now()
+    for item in settled:
+        rule = item.rule
+        refused = isinstance(rule, Outsized)
+        ruling = rule.rule if isinstance(rule, Outsized) else rule
+        assert ruling is not None
+        item.status = statuses.overridden(item.limit, item.key, item.request.count, ruling, now, refused=refused)
+    if any(not item.status.ok for item in settled):  # type: ignore[union-attr]
+        for item in items:
+            if item.status is None:
+                item.status = statuses.undecided(item.limit, item.key, item.request.count / MICRO)
+    call.pending = any(item.status is None for item in items)
 
 
 def _recall(call: Call) -> None:
@@ -187,33 +212,27 @@ def _recall(call: Call) -> None:
     if deny_cache.active() is None:
         return
     stores = call.stores
-    items = call.items
-    recalled: list[deny_cache.Recalled | None] | None = None
-    for n, item in enumerate(items):
+    denied = False
+    for item in call.items:
         request = item.request
         if item.status is None and deny_cache.cacheable(item.limit, request.reserve):
             found = deny_cache.lookup(item.limit, stores.backend(item.limit), request.key.digest, request.count)
             if found is not None:
-                if recalled is None:
-                    recalled = [None] * len(items)
-                recalled[n] = found
-    if recalled is None:
+                denied = True
+                item.status = statuses.decided(
+                    item.limit,
+                    item.key,
+                    request.count,
+                    found.decision,
+                    found.now,
+                    cached=True,
+                    override=item.override,
+                )
+    if not denied:
         return
-    for item, found in zip(items, recalled):
-        if item.status is not None:
-            continue
-        if found is None:
+    for item in call.items:
+        if item.status is None:
             item.status = statuses.undecided(item.limit, item.key, item.request.count / MICRO)
-        else:
-            item.status = statuses.decided(
-                item.limit,
-                item.key,
-                item.request.count,
-                found.decision,
-                found.now,
-                cached=True,
-                override=action(item.rule),
-            )
     call.pending = False
 
 
@@ -282,11 +301,13 @@ def finish(call: Call) -> list[Status]:
         if status is None:
             assert item.decision is not None
             status = item.status = statuses.decided(
-                item.limit, item.key, item.request.count, item.decision, item.now, override=action(item.rule)
+                item.limit, item.key, item.request.count, item.decision, item.now, override=item.override
             )
         made.append(status)
     if call.apply:
-        report.report(call.stores, made, [item.limit for item in call.items])
+        all_ok = made[0].ok if len(made) == 1 else all(status.ok for status in made)
+        for status, item in zip(made, call.items):
+            report.report(call.stores, status, all_ok, item.limit)
     return made
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from .. import analytics, metrics, overrides, signals
 from ..keys import encode_key
@@ -21,16 +21,6 @@ logger = logging.getLogger("django_tokenbucket")
 _REFUSED = frozenset((metrics.DENIED, metrics.DENIED_CACHED, metrics.BLOCKED))
 
 
-def report(stores: Stores, statuses: Sequence[Status], limits: Sequence[LimitConfig]) -> None:
-    """Count, log and signal the statuses of one applied call (all-or-nothing)."""
-    if len(statuses) == 1:
-        _report_one(stores, statuses[0], statuses[0].ok, limits[0])
-        return
-    all_ok = all(status.ok for status in statuses)
-    for status, limit in zip(statuses, limits):
-        _report_one(stores, status, all_ok, limit)
-
-
 def failed_closed(recorder: metrics.Recorder, label: str, names: Iterable[str]) -> None:
     """Count the limits of a call refused because its store failed (fail closed)."""
     for name in names:
@@ -41,8 +31,9 @@ def _count_decision(recorder: metrics.Recorder, name: str, label: str, outcome: 
     recorder.decision(name, label, outcome)
 
 
-def _report_one(stores: Stores, status: Status, all_ok: bool, limit: LimitConfig) -> None:
-    """Count, log and signal one status of a call whose statuses are all ok when ``all_ok``."""
+def report(stores: Stores, status: Status, all_ok: bool, limit: LimitConfig) -> None:
+    """Count, log and signal one status of an applied call (all-or-nothing: its statuses
+    are all ok when ``all_ok``)."""
     recorder = metrics.active()
     counting = analytics.active()
     if recorder is not None or counting is not None:

@@ -9,13 +9,11 @@ from __future__ import annotations
 from django.core.exceptions import ImproperlyConfigured
 
 from .. import overrides
-from ..backends.base import Request, made_request
-from ..keys import EncodedKey
 from ..limits import LimitConfig
 from ..logs import throttled_logger
 from ..overrides import Override
 
-__all__ = ["LOOK_UP", "Outsized", "action", "count_in_force", "in_force", "request_for", "settles"]
+__all__ = ["LOOK_UP", "Outsized", "count_in_force", "in_force", "settles"]
 
 #: Passed as a decision's ``rule`` for "look the key's override up" (the default), as
 #: opposed to one the caller already applied (``acquire``) or None.
@@ -50,24 +48,6 @@ def in_force(limit: LimitConfig, digest: str) -> tuple[LimitConfig, Override | N
         return limit, None
 
 
-def request_for(
-    limit: LimitConfig, encoded: EncodedKey, count: int | float, reserve: bool, rule: Override | None
-) -> tuple[Request, Override | Outsized | None]:
-    """Return the request of one call, on ``limit`` as the key's override changes it, and
-    that override (``rule``: one the caller applied already, or ``LOOK_UP``);
-    ``Outsized`` when the count is more than the override can ever admit.
-
-    The count is checked against the numbers in force (``count_in_force``).
-    """
-    base = limit
-    if rule is LOOK_UP:
-        limit, rule = in_force(limit, encoded.digest)
-    if rule is None:
-        return made_request(limit, encoded, limit.validate_count(count, reserve), reserve), None
-    micro, fits = count_in_force(base, limit, count, reserve)
-    return made_request(limit, encoded, micro, reserve), rule if fits else Outsized(rule)
-
-
 def count_in_force(base: LimitConfig, limit: LimitConfig, count: object, reserve: bool) -> tuple[int, bool]:
     """Return ``count`` in micro-tokens, and whether ``limit`` (``base`` as an override
     changes it) can ever admit it.
@@ -91,8 +71,3 @@ def settles(rule: Override | Outsized | None) -> bool:
     """Whether an override decides a call without the store: an exemption, a block, or a
     ``limit`` override too small for the call's count."""
     return isinstance(rule, Outsized) or (rule is not None and rule.action != overrides.LIMIT)
-
-
-def action(rule: Override | Outsized | None) -> str | None:
-    """The ``override`` a Status reports for a call decided under ``rule``."""
-    return rule.action if isinstance(rule, Override) else None
