@@ -60,25 +60,30 @@ class Asked(Protocol):
 
 
 class Item:
-    """One limit of a call, as it goes through the pipeline.
+    """One limit of a call, as it goes through the pipeline."""
 
-    What most calls never set is a class default: the attributes set per call are the
-    cost of every request (no ``__slots__`` for the same reason).
-    """
+    __slots__ = (
+        "count",
+        "decision",
+        "key",
+        "limit",
+        "now",
+        "override",
+        "parts",
+        "request",
+        "rule",
+        "status",
+        "untouched",
+    )
 
-    #: Set once known: settled by an override, recalled, undecided, failed open, or
-    #: (``finish``) made from the store's decision.
-    status: Status | None = None
-    decision: Decision | None = None
-    now = 0
-    #: The ``override`` its Status reports: the action of the override decided under.
-    override: str | None = None
-    #: On a sharded limit: the shards' requests it is decided as (``store``), and the
-    #: value of the shard read but not taken from.
-    parts: list[Request] | None = None
-    untouched = 0
-
-    def __init__(self, key: object, count: int | float, request: Request, rule: Override | Outsized | None) -> None:
+    def __init__(
+        self,
+        key: object,
+        count: int | float,
+        request: Request,
+        rule: Override | Outsized | None,
+        override: str | None = None,
+    ) -> None:
         self.key = key
         #: As asked: what a failed-open Status reports.
         self.count = count
@@ -86,22 +91,34 @@ class Item:
         self.limit: LimitConfig = request.config
         self.request = request
         self.rule = rule
+        #: The ``override`` its Status reports: the action of the override decided under.
+        self.override = override
+        #: Set once known: settled by an override, recalled, undecided, failed open, or
+        #: (``finish``) made from the store's decision.
+        self.status: Status | None = None
+        self.decision: Decision | None = None
+        self.now = 0
+        #: On a sharded limit: the shards' requests it is decided as (``store``), and
+        #: the value of the shard read but not taken from.
+        self.parts: list[Request] | None = None
+        self.untouched = 0
 
 
 class Call:
     """One decision of one or several limits, all-or-nothing."""
 
-    #: Whether an override decides one of its limits without the store (``settles``).
-    overridden = False
-    #: Whether the store is to be asked (``store``).
-    pending = True
-    #: ``deny_cache.now()`` read before the enforced limits' store call, for ``learn``.
-    before: tuple[bool, int, int] | None = None
+    __slots__ = ("apply", "before", "items", "overridden", "pending", "stores")
 
     def __init__(self, stores: Stores, apply: bool) -> None:
         self.stores = stores
         self.apply = apply
         self.items: list[Item] = []
+        #: Whether an override decides one of its limits without the store (``settles``).
+        self.overridden = False
+        #: Whether the store is to be asked (``store``).
+        self.pending = True
+        #: ``deny_cache.now()`` read before the enforced limits' store call, for ``learn``.
+        self.before: tuple[bool, int, int] | None = None
 
 
 # -- rule, recall ----------------------------------------------------------------------
@@ -175,9 +192,7 @@ def _ask(call: Call, limit: LimitConfig, key: object, count: int | float, reserv
     micro, fits = count_in_force(base, limit, count, reserve)
     ruling = rule if fits else Outsized(rule)
     call.overridden = call.overridden or settles(ruling)
-    item = Item(key, count, made_request(limit, encoded, micro, reserve), ruling)
-    item.override = rule.action
-    call.items.append(item)
+    call.items.append(Item(key, count, made_request(limit, encoded, micro, reserve), ruling, rule.action))
 
 
 def _settle(call: Call) -> None:
