@@ -4,7 +4,7 @@ Every decision goes through it, one limit or several, sharded or not, from eithe
 driver:
 
 - ``begin`` (``begin_one`` for a single limit) resolves each limit and applies its key's
-  override (**rule**: ``rules.request_for``), settles what an override decides without
+  override (**rule**: ``rules.in_force``), settles what an override decides without
   the store, and asks the deny cache (**recall**);
 - ``store`` is the plan of store steps a driver answers (``steps.drive``, ``adrive``):
   the shards' probe, then the enforced limits, then the shadowed ones, each group one
