@@ -339,7 +339,7 @@ class StoreFailures:
             self._seen.clear()
 
 
-#: This process' store failures (``Limiter._store_failed`` notes each one).
+#: This process' store failures (``engine.failure`` notes each one).
 store_failures = StoreFailures()
 
 

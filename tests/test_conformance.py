@@ -13,7 +13,7 @@ from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from django_tokenbucket import LimitRequest, RateLimited
+from django_tokenbucket import LimitRequest, MultiStatus, RateLimited
 from django_tokenbucket import limiter as sync_limiter
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.testing import frozen_clock
@@ -42,6 +42,8 @@ def store_overrides(name: str, request) -> dict:
         store = request.getfixturevalue("redis_store")
         overrides = {**store, "OPTIONS": {**store["OPTIONS"], **overrides.get("OPTIONS", {})}}
     return overrides
+
+
 if _TEST_DB == "postgres":
     # "database" takes the one-statement fast path there; this is the portable one.
     BACKENDS["database-portable"] = {"BACKEND": DATABASE_BACKEND, "OPTIONS": {"FAST_PATH": False}}
@@ -342,12 +344,17 @@ class TestSeveralLimits:
         assert result.ok and limiter.get_value("burst", "z") == 20
 
     def test_one_limit_decides_as_the_plan_for_several(self, clock, api):
-        """``limit_many`` of one unsharded limit, a throttle's usual call, skips the plan
-        for several; the plan decides the same calls alike, shadow mode and waits included."""
+        """``limit_many`` of one limit, a throttle's usual call, and the engine's entry for
+        one limit (``limit``'s) decide the same calls alike, shadow mode and waits included."""
 
         def planned(item, *, apply=True, throws=False):
-            steps = sync_limiter._many([replace(item, key="planned")], apply=apply, throws=throws)
-            return sync_limiter._drive(steps) if api == "sync" else async_to_sync(sync_limiter._adrive)(steps)
+            engine = sync_limiter.engine
+            asked = (item.name, "planned", item.count, item.reserve, item.config)
+            if api == "sync":
+                status = engine.decide_one(*asked, apply=apply, throws=throws)
+            else:
+                status = async_to_sync(engine.adecide_one)(*asked, apply=apply, throws=throws)
+            return MultiStatus((status,))
 
         def as_planned(statuses):
             return [replace(status, key="planned") for status in statuses]

@@ -1,6 +1,6 @@
 """A plan the limiter abandons at a failed step is closed there, not by the garbage collector.
 
-``limiter.reset()`` on a store that fails raises at its ``_Reset`` step; the plan's
+``limiter.reset()`` on a store that fails raises at its ``Reset`` step; the plan's
 ``finally`` (forgetting the key in the deny cache, and at commit) used to wait for a
 collection, which could start anywhere — once inside ``get_backend``'s lock, whose
 finalizer then asked for a backend again and deadlocked a CI run.
@@ -15,8 +15,8 @@ import pytest
 from django.test import override_settings
 
 from django_tokenbucket import BackendUnavailable, limiter
-from django_tokenbucket.api import Limiter
 from django_tokenbucket.backends import get_backend
+from django_tokenbucket.engine import state
 
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "unre
 
 
 def suspended_plans() -> list[object]:
-    plans = (Limiter._reset.__code__, Limiter._refunded.__code__)
+    plans = (state.reset.__code__, state.refunded.__code__)
     return [o for o in gc.get_objects() if inspect.isgenerator(o) and o.gi_code in plans and o.gi_frame is not None]
 
 

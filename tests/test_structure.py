@@ -433,3 +433,133 @@ def poll(link, retry):
     modules = {"django_tokenbucket.example": ast.parse(source)}
     found = {name for _module, name in _private_reads(modules, _library_private_names())}
     assert found == {"_state", "_task_stack", "_parsers", "_use_created", "_sock", "_backoff", "_parser"}
+
+
+#: Lines api.py may hold: the Limiter is a face over ``engine`` (issue 50). The override
+#: admin methods (``OVERRIDE_ADMIN``) are not counted while they live there.
+MAX_API_LINES = 450
+OVERRIDE_ADMIN = {
+    "override",
+    "exempt",
+    "block",
+    "clear_override",
+    "overrides",
+    "aoverride",
+    "aexempt",
+    "ablock",
+    "aclear_override",
+    "aoverrides",
+    "_override_name",
+    "_save_override",
+    "_override_numbers",
+}
+
+
+def test_api_is_a_thin_face():
+    path, tree = _modules()["django_tokenbucket.api"]
+    admin_lines = sum(
+        node.end_lineno - node.lineno + 1  # type: ignore[operator]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in OVERRIDE_ADMIN
+    )
+    assert len(path.read_text().splitlines()) - admin_lines < MAX_API_LINES
+
+
+def _imported_targets(name: str, path: Path, tree: ast.Module) -> list[tuple[int, str, list[str]]]:
+    """Every import of a module (inside functions and under TYPE_CHECKING too): its line,
+    the module it names and the names it takes."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = _resolve(name, path.name == "__init__.py", node)[0]
+            found.append((node.lineno, target, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names]
+    return found
+
+
+def test_the_engine_never_imports_the_api():
+    # Layering: api → engine → backends, algorithms and the process' state modules.
+    upward = [
+        f"{name}:{line} imports {target}"
+        for name, (path, tree) in _modules().items()
+        if name.startswith("django_tokenbucket.engine")
+        for line, target, names in _imported_targets(name, path, tree)
+        if target == "django_tokenbucket.api"
+        or (target == "django_tokenbucket" and "api" in names)
+        or target.startswith(("django_tokenbucket.throttling", "django_tokenbucket.decorators"))
+    ]
+    assert upward == []
+
+
+def test_no_private_name_of_the_engine_or_the_api_is_used_elsewhere():
+    """Callers use the engine's public entries (``limiter.engine.decide_many``), not
+    what a module keeps to itself (issue 50: the throttle called ``limiter._decide_many``)."""
+    owners = ("django_tokenbucket.api", "django_tokenbucket.engine")
+    tests = {
+        f"tests.{path.stem}": (path, ast.parse(path.read_text(), str(path)))
+        for path in Path(__file__).resolve().parent.glob("*.py")
+    }
+    found = []
+    for name, (path, tree) in {**_modules(), **tests}.items():
+        for line, target, names in _imported_targets(name, path, tree):
+            if target.startswith(owners) and not name.startswith(target):
+                found += [f"{name}:{line} imports {target}.{n}" for n in names if n.startswith("_")]
+        if name.startswith(owners):
+            continue
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("limiter", "Limiter", "engine")
+            ):
+                found.append(f"{name}:{node.lineno} uses {node.value.id}.{node.attr}")
+    assert found == []
+
+
+#: Each feature of a decision, as the call that performs it: the decision pipeline
+#: (``engine/decide.py``) is written once, so each is called from one place only.
+FEATURES = {
+    "overrides lookup": ("overrides", {"lookup", "current"}),
+    "deny-cache recall": ("deny_cache", {"lookup"}),
+    "deny-cache learn (a denial)": ("deny_cache", {"remember"}),
+    "deny-cache learn (an admission)": ("deny_cache", {"admitted"}),
+    "analytics count (allowed)": ("analytics", {"record_allowed"}),
+    "analytics count (denied)": ("analytics", {"record_denied"}),
+    "metrics report": (None, {"decision"}),
+}
+
+
+def _feature_calls(modules: dict[str, tuple[Path, ast.Module]]) -> dict[str, list[str]]:
+    calls: dict[str, list[str]] = {feature: [] for feature in FEATURES}
+    for name, (_path, tree) in modules.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            owner = node.func.value
+            for feature, (module, attributes) in FEATURES.items():
+                if node.func.attr not in attributes:
+                    continue
+                if module is None or (isinstance(owner, ast.Name) and owner.id == module):
+                    calls[feature].append(f"{name}:{node.lineno}")
+    return calls
+
+
+def test_each_feature_of_a_decision_is_called_from_one_place_in_the_engine():
+    calls = _feature_calls(_modules())
+    # ``.decision(...)`` is the metrics recorder's; a backend's ``decide`` is another name.
+    assert {feature: len(sites) for feature, sites in calls.items()} == dict.fromkeys(FEATURES, 1), calls
+    outside = [site for sites in calls.values() for site in sites if not site.startswith("django_tokenbucket.engine")]
+    assert outside == []
+
+
+def test_the_feature_check_counts_every_call_site():
+    source = (
+        "deny_cache.lookup(a)\nif x:\n    deny_cache.lookup(b)\nrecorder.decision(n, l, o)\noverrides.current(n, d)"
+    )
+    calls = _feature_calls({"django_tokenbucket.engine.x": (PACKAGE / "engine" / "x.py", ast.parse(source))})
+    assert calls["deny-cache recall"] == ["django_tokenbucket.engine.x:1", "django_tokenbucket.engine.x:3"]
+    assert calls["metrics report"] == ["django_tokenbucket.engine.x:4"]
+    assert calls["overrides lookup"] == ["django_tokenbucket.engine.x:5"]

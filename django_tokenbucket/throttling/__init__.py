@@ -394,9 +394,9 @@ def _limit_all(request: DRFRequest, throttle: SimpleRateThrottle, limits: list[L
     try:
         # limit_many's own path, without its conversion of what are LimitRequests already.
         if throttle.timer is time.time or throttle.now is None:
-            return list(limiter._decide_many(limits, apply=True, throws=False))
+            return list(limiter.engine.decide_many(limits, apply=True, throws=False))
         with clock.pinned(round(throttle.now * MICRO)):
-            return list(limiter._decide_many(limits, apply=True, throws=False))
+            return list(limiter.engine.decide_many(limits, apply=True, throws=False))
     finally:
         current_request.reset(seen)
 
