@@ -36,6 +36,8 @@ from django_tokenbucket.backends import get_backend
 from django_tokenbucket.cleanup import cleanup
 from django_tokenbucket.keys import Redacted, encode_key
 from django_tokenbucket.models import LimitOverride
+from django_tokenbucket.overrides import rows as override_rows
+from django_tokenbucket.overrides import snapshot as override_snapshot
 from django_tokenbucket.request_keys import request_key
 from django_tokenbucket.testing import frozen_clock
 
@@ -540,7 +542,7 @@ def test_a_failed_read_keeps_the_overrides_held(backend, clock, monkeypatch, cap
     def broken():
         raise RuntimeError("database down")
 
-    monkeypatch.setattr(overrides, "_read", broken)
+    monkeypatch.setattr(override_snapshot, "_read", broken)
     overrides.invalidate()
     with caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
         assert limiter.limit("login", "k").override == "block"
@@ -592,7 +594,7 @@ def test_a_forked_child_reads_the_overrides_again(backend, clock):
     assert limiter.check("login", "k").override is None  # this process has read them
     # Written behind this process' back, as another process would.
     with transaction.atomic():
-        revision = overrides._bump(overrides.database_alias())
+        revision = override_rows.bump(overrides.database_alias())
         LimitOverride.objects.create(name="login", key=encode_key("k").digest, action="block", revision=revision)
     assert limiter.check("login", "k").override is None, "MAX_AGE is not over here"
     connections.close_all()

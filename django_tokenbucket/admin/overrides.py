@@ -1,12 +1,12 @@
 """``LimitOverrideAdmin``: the runtime overrides, listed, made, edited, expired and deleted.
 
-Every write goes through the limiter or ``django_tokenbucket.overrides``, never a
-plain ``Model.save()``/``delete()``: those bump the version stamp in the same
-transaction, without which other processes would apply the old override until the
-next change. A new override is made by ``limiter.override``/``exempt``/``block`` (the
-key as ``tokenbucket --key`` takes it, normalised as decisions normalise it); an
-edited one is written again by ``overrides.save``; the limit and the key of one are
-fixed (delete it and make another).
+Every write goes through ``overrides.make``/``overrides.delete``, never a plain
+``Model.save()``/``delete()``: those bump the version stamp in the same transaction,
+without which other processes would apply the old override until the next change. A
+new override is made by ``limiter.override``/``exempt``/``block`` (the key as
+``tokenbucket --key`` takes it, normalised as decisions normalise it); an edited one is
+written again by ``override_operations.resave``, with the same checks; the limit and
+the key of one are fixed (delete it and make another).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class OverrideAddForm(_NoModelValidation):
         #: The key the override was made for, for the admin's message of which bucket it reaches.
         self.key = key
         try:
-            existing = replaced(name, overrides.key_digest(name, key)[0])
+            existing = replaced(name, overrides.key_digest(name, key).digest)
             if existing is not None and not self.may_replace:
                 self.add_error(
                     None,
@@ -371,7 +371,7 @@ class LimitOverrideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         elif term:
             # Request data is stored as a digest only: found by the key as typed.
             keys = [term, key_from_text(term)]
-            digests = [overrides.key_digest("", key)[0] for key in keys if key is not None]
+            digests = [overrides.key_digest("", key).digest for key in keys if key is not None]
             results = results | queryset.filter(key__in=digests)
         return results, may_have_duplicates
 
