@@ -360,7 +360,8 @@ def test_a_process_that_has_not_read_the_block_refuses_before_checking(protected
         for _ in range(3):
             authenticate(username="victim", password="wrong")
         stale = override_snapshot._snapshot
-        override_snapshot._snapshot = override_snapshot._Snapshot()  # this process forgets the block, as one that has not read it yet
+        # This process forgets the block, as one that has not read it yet.
+        override_snapshot._snapshot = override_snapshot._Snapshot()
         override_snapshot._due = float("inf")
         try:
             assert authenticate(username="victim", password="right") is None

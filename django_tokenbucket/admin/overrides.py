@@ -55,7 +55,7 @@ from ..override_operations import (
 )
 from ..registry import known_limits
 from ..request_keys import key_from_text
-from .display import _DIGEST
+from .display import DIGEST
 
 __all__ = ["LimitOverrideAdmin", "OverrideAddForm", "OverrideChangeForm"]
 
@@ -366,7 +366,7 @@ class LimitOverrideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     ) -> tuple[QuerySet[Any], bool]:
         results, may_have_duplicates = super().get_search_results(request, queryset, search_term)
         term = search_term.strip()
-        if _DIGEST.fullmatch(term.lower()):
+        if DIGEST.fullmatch(term.lower()):
             results = results | queryset.filter(key=term.lower())
         elif term:
             # Request data is stored as a digest only: found by the key as typed.
