@@ -241,6 +241,11 @@ class OverrideChangeForm(_NoModelValidation):
         if self.errors:
             return data
         row: LimitOverride = self.instance
+        try:
+            overrides.require_on(row.name)
+        except ImproperlyConfigured as exc:
+            self.add_error(None, str(exc))
+            return data
         changes: dict[str, Any] = {"reason": data["reason"]}
         until = self._expiry(data)
         if data.get("duration") or "expires_at" in self.changed_data:
@@ -456,11 +461,15 @@ class LimitOverrideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.action(description=_("Expire selected overrides now"), permissions=["change"])
     def expire_now(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         ended = 0
-        with transaction.atomic(using=overrides.database_alias()):
-            for row in queryset:
-                if expire(row):
-                    ended += 1
-                    self.log_change(request, row, "Expired now.")
+        try:
+            with transaction.atomic(using=overrides.database_alias()):
+                for row in queryset:
+                    if expire(row):
+                        ended += 1
+                        self.log_change(request, row, "Expired now.")
+        except ImproperlyConfigured as exc:  # overrides are off: every change rolled back
+            self.message_user(request, str(_("Nothing was changed: %(error)s") % {"error": exc}), messages.ERROR)
+            return
         self.message_user(
             request,
             ngettext("Expired %(count)d override.", "Expired %(count)d overrides.", ended) % {"count": ended},

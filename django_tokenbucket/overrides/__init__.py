@@ -41,7 +41,7 @@ from .rules import (
     parse,
 )
 from .snapshot import WARN_IN_FORCE, active, arefresh_if_due, current, invalidate, lookup, refresh_if_due
-from .store import TOMBSTONES_KEPT, delete, expiry, in_force, make, remove_expired
+from .store import TOMBSTONES_KEPT, delete, expiry, in_force, make, remove_expired, require_on
 
 __all__ = [
     "ACTIONS",
@@ -76,4 +76,5 @@ __all__ = [
     "parse",
     "refresh_if_due",
     "remove_expired",
+    "require_on",
 ]

@@ -28,7 +28,7 @@ from .snapshot import active, changed
 if TYPE_CHECKING:
     from ..models import LimitOverride
 
-__all__ = ["TOMBSTONES_KEPT", "delete", "expiry", "in_force", "make", "remove_expired"]
+__all__ = ["TOMBSTONES_KEPT", "delete", "expiry", "in_force", "make", "remove_expired", "require_on"]
 
 
 def expiry(name: str, until: object) -> datetime | None:
@@ -53,6 +53,15 @@ def expiry(name: str, until: object) -> datetime | None:
             f"leave it out for an override that lasts until cleared"
         )
     return ends
+
+
+def require_on(name: str) -> None:
+    """Raise ImproperlyConfigured naming limit ``name`` when overrides are off: a write would never apply."""
+    if active() is None:
+        raise ImproperlyConfigured(
+            f"rate limit {name!r}: overrides are off (TOKENBUCKET['OVERRIDES'] is False), so this one "
+            f"would never apply; set OVERRIDES to {{'MAX_AGE': {DEFAULT_MAX_AGE}}} to use them"
+        )
 
 
 def make(
@@ -81,11 +90,7 @@ def make(
     version row change in one transaction, which joins the caller's; this process
     applies the change at its next decision.
     """
-    if active() is None:
-        raise ImproperlyConfigured(
-            f"rate limit {name!r}: overrides are off (TOKENBUCKET['OVERRIDES'] is False), so this one "
-            f"would never apply; set OVERRIDES to {{'MAX_AGE': {DEFAULT_MAX_AGE}}} to use them"
-        )
+    require_on(name)
     if action not in ACTIONS:
         raise ValueError(f"rate limit {name!r}: {action!r} is not an override's action ({', '.join(ACTIONS)})")
     for what, text in (("reason", reason), ("created_by", created_by)):
