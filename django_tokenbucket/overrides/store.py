@@ -98,6 +98,8 @@ def make(
             raise ValueError(f"rate limit {name!r}: {what} must be a str, not {text!r}")
     if len(created_by) > 150:
         raise ValueError(f"rate limit {name!r}: created_by must be at most 150 characters (a username)")
+    if until is not None and ends is not ...:
+        raise TypeError("give until (from now) or ends (decided already), not both")
     digest, label = key_digest(name, key)
     expires_at = expiry(name, until) if ends is ... else ends
     fields = {"expires_at": expires_at, "reason": reason, "created_by": created_by}
