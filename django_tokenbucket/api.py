@@ -19,13 +19,11 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from . import hints, overrides, registry
-from .algorithms import MICRO
 from .backends.base import BaseBackend
 from .engine import ConfigSpec, Engine
 from .engine.names import encode_for, resolve
 from .keys import EncodedKey
-from .limits import LimitConfig, to_micro
-from .rates import parse_period, parse_rate, to_fraction
+from .limits import LimitConfig
 from .status import MultiStatus, Status
 
 if TYPE_CHECKING:
@@ -291,8 +289,10 @@ class Limiter:
         call, ImproperlyConfigured when the limit is unknown.
         """
         limit = self.resolve(name)
-        numbers = _override_numbers(limit, rate, period, capacity, max_reserved)
-        return self._save_override(limit.name, key, overrides.LIMIT, numbers, until, reason, created_by)
+        numbers = overrides.numbers(limit, rate, period, capacity, max_reserved)
+        return overrides.make(
+            limit.name, key, overrides.LIMIT, numbers, until=until, reason=reason, created_by=created_by
+        )
 
     def exempt(
         self,
@@ -307,7 +307,9 @@ class Limiter:
 
         An exempt call takes no tokens and its status says ``override="exempt"``.
         """
-        return self._save_override(self._override_name(name), key, overrides.EXEMPT, {}, until, reason, created_by)
+        return overrides.make(
+            self._override_name(name), key, overrides.EXEMPT, until=until, reason=reason, created_by=created_by
+        )
 
     def block(
         self,
@@ -323,7 +325,9 @@ class Limiter:
         A blocked call takes no tokens; its ``retry_after`` is the time until the block
         ends (None when it never does).
         """
-        return self._save_override(self._override_name(name), key, overrides.BLOCK, {}, until, reason, created_by)
+        return overrides.make(
+            self._override_name(name), key, overrides.BLOCK, until=until, reason=reason, created_by=created_by
+        )
 
     def clear_override(self, name: str, key: object = None) -> int:
         """Remove the override of limit ``name`` for ``key`` (None: the one of every key).
@@ -332,7 +336,7 @@ class Limiter:
         """
         if not isinstance(name, str):
             raise ValueError(f"a rate limit name must be a str, not {name!r}")
-        return overrides.delete(name, overrides.key_digest(name, key)[0])
+        return overrides.delete(name, overrides.key_digest(name, key).digest)
 
     def overrides(self, name: str | None = None) -> list[LimitOverride]:
         """Return the overrides in force (not expired), of limit ``name`` or of all, by limit and key."""
@@ -409,21 +413,6 @@ class Limiter:
                 return name
             raise
 
-    def _save_override(
-        self,
-        name: str,
-        key: object,
-        action: str,
-        numbers: dict[str, int | None],
-        until: datetime | timedelta | None,
-        reason: str,
-        created_by: str,
-    ) -> LimitOverride:
-        digest, label = overrides.key_digest(name, key)
-        return overrides.save_checked(
-            name, digest, label, action, numbers, until=until, reason=reason, created_by=created_by
-        )
-
 
 def _as_request(item: LimitRequest | Sequence[Any]) -> LimitRequest:
     if isinstance(item, LimitRequest):
@@ -431,54 +420,6 @@ def _as_request(item: LimitRequest | Sequence[Any]) -> LimitRequest:
     if isinstance(item, str):
         return LimitRequest(item)
     return LimitRequest(*item)
-
-
-def _override_numbers(
-    limit: LimitConfig,
-    rate: str | int | float | Fraction | None,
-    period: int | float | timedelta | None,
-    capacity: int | float | None,
-    max_reserved: int | float | None,
-) -> dict[str, int | None]:
-    """Return the numbers of a ``limit`` override in micro-units, as given; ValueError naming the limit.
-
-    Only the numbers given are stored, so that the others follow LIMITS if it changes.
-    """
-    numbers: dict[str, int | None] = {}
-    try:
-        if rate is None and period is None and capacity is None and max_reserved is None:
-            raise ValueError(
-                "give at least one of rate, period, capacity and max_reserved (or use exempt() or block())"
-            )
-        seconds = None
-        if isinstance(rate, str):
-            if period is not None:
-                raise ValueError(f"give the period either in the rate string {rate!r} or as period, not both")
-            tokens, seconds = parse_rate(rate)
-        elif rate is not None:
-            tokens = to_fraction(rate, "rate")
-        if rate is not None:
-            if tokens <= 0:
-                raise ValueError(f"rate must be positive, not {rate!r}")
-            numbers["rate"] = to_micro(tokens, "rate", rate)
-        if period is not None:
-            seconds = parse_period(period)
-        if seconds is not None:
-            micro = seconds * MICRO
-            if micro.denominator != 1:
-                raise ValueError(f"period must be a whole number of microseconds, not {float(seconds)!r} seconds")
-            numbers["period"] = int(micro)
-        for what, amount in (("capacity", capacity), ("max_reserved", max_reserved)):
-            if amount is None:
-                continue
-            tokens = to_fraction(amount, what)
-            if tokens < 0 or (tokens == 0 and what == "capacity"):
-                raise ValueError(f"{what} must be {'positive' if what == 'capacity' else 'at least 0'}, not {amount!r}")
-            numbers[what] = to_micro(tokens, what, amount)
-    except ValueError as exc:
-        raise ValueError(f"rate limit {limit.name!r}: override: {exc}") from None
-    overrides.check_admits(limit, numbers)
-    return numbers
 
 
 limiter = Limiter()

@@ -21,6 +21,7 @@ __all__ = [
     "default_response",
     "rate_limited_response",
     "unavailable_response",
+    "wants_json",
 ]
 
 ResponseT = TypeVar("ResponseT", bound=HttpResponseBase)
@@ -29,7 +30,8 @@ ResponseT = TypeVar("ResponseT", bound=HttpResponseBase)
 # -- responses -------------------------------------------------------------------------
 
 
-def _wants_json(request: HttpRequest) -> bool:
+def wants_json(request: HttpRequest) -> bool:
+    """Return whether ``request`` asks for (or sends) JSON: its answer is JSON then."""
     # META, not request.headers: building that mapping of every header costs a denied
     # request more than the rest of its answer (a flood is made of denied requests).
     accept = request.META.get("HTTP_ACCEPT", "")
@@ -42,7 +44,7 @@ def default_response(request: HttpRequest, status: Status | None) -> HttpRespons
     detail = "Too many requests."
     if retry_after is not None:
         detail += f" Retry in {retry_after} second{'s' if retry_after != 1 else ''}."
-    if _wants_json(request):
+    if wants_json(request):
         return JsonResponse({"detail": detail, "retry_after": retry_after}, status=429)
     # The charset given, not left for Django to find in the content type per response.
     return HttpResponse(detail, status=429, content_type="text/plain; charset=utf-8", charset="utf-8")
@@ -89,7 +91,7 @@ def _response_factory(
 def unavailable_response(request: HttpRequest, exc: BackendUnavailable) -> HttpResponse:
     """Answer 503: the rate-limit store failed (fail closed), not the client."""
     detail = "Rate limiting is temporarily unavailable."
-    if _wants_json(request):
+    if wants_json(request):
         response: HttpResponse = JsonResponse({"detail": detail}, status=503)
     else:
         response = HttpResponse(detail, status=503, content_type="text/plain; charset=utf-8")

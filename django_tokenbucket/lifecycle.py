@@ -49,7 +49,7 @@ ON_SETTING_CHANGED: tuple[tuple[str, str, frozenset[str]], ...] = (
     # The Redis backends' clients, key prefixes and clocks.
     ("django_tokenbucket.backends.redis.backend", "settings_changed", frozenset({"CACHES", "TOKENBUCKET"})),
     ("django_tokenbucket.deny_cache", "clear", TOKENBUCKET),
-    ("django_tokenbucket.overrides", "settings_changed", TOKENBUCKET),
+    ("django_tokenbucket.overrides.snapshot", "settings_changed", TOKENBUCKET),
     ("django_tokenbucket.analytics", "settings_changed", TOKENBUCKET),
     ("django_tokenbucket.metrics", "settings_changed", TOKENBUCKET),
     ("django_tokenbucket.auth.config", "settings_changed", frozenset({"AUTHENTICATION_BACKENDS"})),
@@ -83,14 +83,14 @@ AFTER_FORK: tuple[tuple[str, str], ...] = (
     ("django_tokenbucket.backends.redis.connections", "after_fork_in_child"),
     ("django_tokenbucket.analytics", "after_fork_in_child"),
     ("django_tokenbucket.deny_cache", "after_fork_in_child"),
-    ("django_tokenbucket.overrides", "after_fork_in_child"),
+    ("django_tokenbucket.overrides.snapshot", "after_fork_in_child"),
     ("django_tokenbucket.compat.ratelimit.core", "after_fork_in_child"),
 )
 
 #: (module, its function that forgets what it holds of the package's tables).
 ON_TABLES_EMPTIED: tuple[tuple[str, str], ...] = (
     ("django_tokenbucket.deny_cache", "clear"),
-    ("django_tokenbucket.overrides", "invalidate"),
+    ("django_tokenbucket.overrides.snapshot", "invalidate"),
 )
 
 

@@ -6,7 +6,7 @@ and on a bucket page, or when editing a stored override, has only its digest (Re
 keeps no label, request data is never stored in clear). This module turns what an
 operator types into what the API takes (a key, a duration), makes and edits overrides
 of a digest with the API's checks, and says what an override does in words. Every
-write goes through ``overrides.save``/``overrides.delete``, which bump the version
+write goes through ``overrides.make``/``overrides.delete``, which bump the version
 stamp in the same transaction, so every process notices.
 """
 
@@ -33,7 +33,7 @@ from .compat.ratelimit.core import key_from_text as compat_key_from_text
 from .keys import encode_key, key_from_json, label_as_typed
 from .limits import LimitConfig, to_micro
 from .models import LimitOverride
-from .rates import UNIT_SECONDS, parse_rate, shown, to_fraction
+from .rates import UNIT_SECONDS, shown, to_fraction
 from .request_keys import canonical_spec, key_from_text
 from .settings import tokenbucket_settings
 from .text import describe_rate, format_duration, format_tokens
@@ -348,33 +348,12 @@ def rate_text(row: LimitOverride, limit: LimitConfig | None) -> str:
 def numbers_from_text(
     limit: LimitConfig, rate: str | None, capacity: Decimal | None, max_reserved: Decimal | None
 ) -> dict[str, int | None]:
-    """Return the numbers of a ``limit`` override (micro-units, None: the limit's own), checked.
+    """Return the numbers of a ``limit`` override as a form gives them (``overrides.numbers``).
 
-    ``rate`` is a rate string (``"100/m"``: its period replaces the limit's). ValueError
-    naming the limit when they are not numbers a limit can have, or could never admit a
-    call of one token: the checks ``limiter.override`` makes.
+    ``rate`` is a rate string (``"100/m"``: its period replaces the limit's), "" or None
+    for the limit's own. ValueError naming the limit: the checks ``limiter.override`` makes.
     """
-    numbers: dict[str, int | None] = dict.fromkeys(overrides.NUMBERS)
-    try:
-        if rate:
-            tokens, seconds = parse_rate(rate.strip())
-            numbers["rate"] = to_micro(tokens, "rate", rate)
-            # Whole seconds of a 40-character rate string at most: the limit's own check
-            # (check_admits, below) bounds it in words about seconds, not tokens.
-            numbers["period"] = int(seconds * MICRO)
-        for what, amount in (("capacity", capacity), ("max_reserved", max_reserved)):
-            if amount is None:
-                continue
-            value = to_fraction(amount, what)
-            if value < 0 or (value == 0 and what == "capacity"):
-                raise ValueError(f"{what} must be {'positive' if what == 'capacity' else 'at least 0'}, not {amount}")
-            numbers[what] = to_micro(value, what, amount)
-    except ValueError as exc:
-        raise ValueError(f"rate limit {limit.name!r}: override: {exc}") from None
-    if all(value is None for value in numbers.values()):
-        raise ValueError(f"rate limit {limit.name!r}: give a rate, a capacity or a max_reserved (or exempt or block)")
-    overrides.check_admits(limit, numbers)
-    return numbers
+    return overrides.numbers(limit, rate or None, None, capacity, max_reserved)
 
 
 def factor_of(text: str) -> Fraction:
@@ -439,22 +418,34 @@ def save_digest(
     off, ValueError naming the limit for an ``until`` not in the future.
     """
     limiter.resolve(name)  # an unknown limit is an error, not a row nobody reads
-    return overrides.save_checked(
-        name, digest, label, action, numbers or {}, until=until, reason=reason, created_by=created_by[:150]
+    return overrides.make(
+        name,
+        overrides.Digest(digest, label),
+        action,
+        numbers,
+        until=until,
+        reason=reason,
+        created_by=created_by[:150],
     )
 
 
 def resave(row: LimitOverride, **changes: Any) -> LimitOverride:
-    """Write ``row`` again with ``changes`` (numbers, ``expires_at``, ``reason``), bumping the version stamp."""
-    current: dict[str, Any] = {
-        **_stored(row),
-        "expires_at": row.expires_at,
-        "reason": row.reason,
-        "created_by": row.created_by,
-        **changes,
-    }
-    numbers = {number: current.pop(number) for number in overrides.NUMBERS}
-    return overrides.save(row.name, row.key, row.label, row.action, numbers, current)
+    """Write ``row`` again with ``changes`` (numbers, ``expires_at``, ``reason``) through
+    ``overrides.make``: its checks, the version stamp bumped.
+
+    An ``expires_at`` is kept as given, even if it passed: an edited reason must not fail
+    on an override that expired, and ``expire`` ends one now.
+    """
+    current: dict[str, Any] = {**_stored(row), "expires_at": row.expires_at, "reason": row.reason, **changes}
+    return overrides.make(
+        row.name,
+        overrides.Digest(row.key, row.label),
+        row.action,
+        {number: current[number] for number in overrides.NUMBERS},
+        ends=current["expires_at"],
+        reason=current["reason"],
+        created_by=row.created_by,
+    )
 
 
 def expire(row: LimitOverride) -> bool:

@@ -23,6 +23,7 @@ from django_tokenbucket import limiter, overrides
 from django_tokenbucket.auth import is_locked, unlock
 from django_tokenbucket.keys import Redacted
 from django_tokenbucket.models import LimitOverride, RateLimit
+from django_tokenbucket.overrides import snapshot as override_snapshot
 from django_tokenbucket.signals import login_locked_out
 from django_tokenbucket.testing import frozen_clock
 
@@ -358,13 +359,14 @@ def test_a_process_that_has_not_read_the_block_refuses_before_checking(protected
     with configure(store, COOLOFF=300):
         for _ in range(3):
             authenticate(username="victim", password="wrong")
-        stale = overrides._snapshot
-        overrides._snapshot = overrides._Snapshot()  # this process forgets the block, as one that has not read it yet
-        overrides._due = float("inf")
+        stale = override_snapshot._snapshot
+        # This process forgets the block, as one that has not read it yet.
+        override_snapshot._snapshot = override_snapshot._Snapshot()
+        override_snapshot._due = float("inf")
         try:
             assert authenticate(username="victim", password="right") is None
         finally:
-            overrides._snapshot = stale
+            override_snapshot._snapshot = stale
             overrides.invalidate()
         assert checked() == 3
         assert tokens(USERNAME) == 3  # its token given back

@@ -70,7 +70,7 @@ def test_numbers_are_checked_as_the_limiter_checks_them():
         ("10/fortnight", None, "invalid rate"),
         ("", Decimal(0), "capacity must be positive"),
         ("", Decimal("0.5"), "could never admit a call of one token"),
-        ("", None, "give a rate"),
+        ("", None, "give at least one of rate"),
     ):
         with pytest.raises(ValueError, match=words) as raised:
             numbers_from_text(login, rate, capacity, None)

@@ -35,7 +35,10 @@ from django_tokenbucket import waits as waits_module
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.cleanup import cleanup
 from django_tokenbucket.keys import Redacted, encode_key
-from django_tokenbucket.models import LimitOverride
+from django_tokenbucket.models import LimitOverride, OverridesVersion
+from django_tokenbucket.override_operations import expire, resave
+from django_tokenbucket.overrides import rows as override_rows
+from django_tokenbucket.overrides import snapshot as override_snapshot
 from django_tokenbucket.request_keys import request_key
 from django_tokenbucket.testing import frozen_clock
 
@@ -343,6 +346,19 @@ def test_a_change_inside_a_transaction_applies_at_once_and_not_after_its_rollbac
     assert api.limit("login", "k").override == "exempt"
 
 
+
+def test_an_edit_goes_through_the_checks_of_a_new_override(clock):
+    # resave (the admin's change form, "expire now") writes through overrides.make: its checks,
+    # the version stamp bumped.
+    row = limiter.block("login", "k", reason="abuse")
+    with pytest.raises(ValueError, match="rate limit 'login': reason must be a str"):
+        resave(row, reason=None)
+    revision = OverridesVersion.objects.get().revision
+    assert expire(row) and OverridesVersion.objects.get().revision == revision + 1
+    assert limiter.limit("login", "k").override is None
+    row.refresh_from_db()
+    assert row.reason == "abuse" and not expire(row)  # ended already: nothing written
+
 # -- bad input ---------------------------------------------------------------------
 
 
@@ -365,6 +381,13 @@ def test_a_change_inside_a_transaction_applies_at_once_and_not_after_its_rollbac
         (lambda: limiter.exempt("login", "k", reason=None), ValueError, "reason"),
         (lambda: limiter.exempt("login", "k", created_by="x" * 151), ValueError, "created_by"),
         (lambda: limiter.exempt("login", "k", rate=5), TypeError, "rate"),
+        # Past what a datetime or a limit holds: refused in words, never an OverflowError.
+        (lambda: limiter.override("login", "k", period=timedelta.max), ValueError, "period"),
+        (lambda: limiter.override("login", "k", rate=1, period=1e300), ValueError, "period is too large"),
+        (lambda: limiter.override("login", "k", rate="1/99999999999999999999d"), ValueError, "period"),
+        (lambda: limiter.block("login", "k", until=timedelta.max), ValueError, "more than 100 years"),
+        (lambda: limiter.block("login", "k", until=datetime.max), ValueError, "more than 100 years"),
+        (lambda: overrides.make("login", "k", "allow"), ValueError, "not an override's action"),
     ],
 )
 def test_bad_input_is_a_clear_error_naming_the_limit(clock, call, error, words):
@@ -540,7 +563,7 @@ def test_a_failed_read_keeps_the_overrides_held(backend, clock, monkeypatch, cap
     def broken():
         raise RuntimeError("database down")
 
-    monkeypatch.setattr(overrides, "_read", broken)
+    monkeypatch.setattr(override_snapshot, "_read", broken)
     overrides.invalidate()
     with caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
         assert limiter.limit("login", "k").override == "block"
@@ -592,7 +615,7 @@ def test_a_forked_child_reads_the_overrides_again(backend, clock):
     assert limiter.check("login", "k").override is None  # this process has read them
     # Written behind this process' back, as another process would.
     with transaction.atomic():
-        revision = overrides._bump(overrides.database_alias())
+        revision = override_rows.bump(overrides.database_alias())
         LimitOverride.objects.create(name="login", key=encode_key("k").digest, action="block", revision=revision)
     assert limiter.check("login", "k").override is None, "MAX_AGE is not over here"
     connections.close_all()

@@ -425,6 +425,19 @@ def test_with_overrides_off_the_admin_says_so(clock, settings):
     assert not LimitOverride.objects.exists()
 
 
+def test_with_overrides_off_an_edit_or_an_expiry_says_so_and_writes_nothing(clock, settings):
+    # Edits go through overrides.make as new overrides do: no row written that would never apply.
+    row = limiter.block("login", "a", reason="abuse")
+    settings.TOKENBUCKET = {**settings.TOKENBUCKET, "OVERRIDES": False}
+    client = client_for(make_user("root", superuser=True))
+    form = {"duration": "", "expires_at_0": "", "expires_at_1": "", "reason": "changed"}
+    assert "overrides are off" in errors(client.post(f"{ADMIN}{row.pk}/change/", form))
+    response = client.post(ADMIN, {"action": "expire_now", "_selected_action": [row.pk], "index": "0"}, follow=True)
+    assert "Nothing was changed" in response.content.decode() and "overrides are off" in response.content.decode()
+    row.refresh_from_db()
+    assert (row.reason, row.expires_at) == ("abuse", None)
+
+
 # -- issue 49: the add form reaches the keys the docs use, and says which bucket ------------
 
 

@@ -29,6 +29,8 @@ from django_tokenbucket.cleanup import cleanup
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.models import LimitOverride, OverridesVersion, OverrideTombstone
 from django_tokenbucket.override_operations import expire
+from django_tokenbucket.overrides import rows as override_rows
+from django_tokenbucket.overrides import snapshot as override_snapshot
 from django_tokenbucket.testing import frozen_clock
 
 from .concurrency import in_another_thread, run_processes
@@ -57,7 +59,7 @@ def load(count: int) -> None:
     """Block ``count`` addresses for an hour, as one change (a penalty box's rows, written in bulk)."""
     until = timezone.now() + timedelta(hours=1)
     with transaction.atomic():
-        revision = overrides._bump(overrides.database_alias())
+        revision = override_rows.bump(overrides.database_alias())
         LimitOverride.objects.bulk_create(
             [
                 LimitOverride(
@@ -74,7 +76,7 @@ def rows_read() -> Iterator[dict[str, int]]:
     """Count the rows the database returns to the overrides' refreshes inside the block."""
     counted = {"rows": 0, "reads": 0}
     reading = {"now": False}
-    real_read = overrides._read
+    real_read = override_snapshot._read
 
     def read() -> None:
         reading["now"] = True
@@ -99,11 +101,11 @@ def rows_read() -> Iterator[dict[str, int]]:
     patched = ("fetchone", "fetchmany", "fetchall")
     for method in patched:
         setattr(CursorWrapper, method, counting(method))
-    overrides._read = read
+    override_snapshot._read = read
     try:
         yield counted
     finally:
-        overrides._read = real_read
+        override_snapshot._read = real_read
         for method in patched:
             delattr(CursorWrapper, method)
 
@@ -156,7 +158,7 @@ def test_after_one_change_among_ten_thousand_a_refresh_reads_the_rows_changed(ov
     with rows_read() as after:
         assert limiter.check("login", ("ip", 8)).override == "exempt"
     assert after == {"rows": 2, "reads": 1}
-    assert len(overrides._snapshot.keyed) == 10_000
+    assert len(override_snapshot._snapshot.keyed) == 10_000
 
 
 def test_nothing_changed_reads_the_version_row_alone(overridable):
@@ -200,7 +202,7 @@ def test_changes_from_many_processes_at_once_take_distinct_revisions_in_order_an
     with rows_read() as after:
         seen = [decide(f"p{index}-{i}") for index in range(4) for i in range(15)]
     assert seen == ["block"] * 60 and after["reads"] == 60
-    assert len(overrides._snapshot.keyed) == 60
+    assert len(override_snapshot._snapshot.keyed) == 60
 
 
 @pytest.mark.only_on("postgres", "mariadb")  # SQLite's IMMEDIATE transactions let no one write meanwhile
@@ -255,7 +257,7 @@ def test_a_flushed_table_counted_again_past_the_snapshot_is_read_whole(overridab
     assert OverridesVersion.objects.get().revision == 5
     assert decide("gone-1") is None
     assert [decide(f"new-{i}") for i in range(5)] == ["block"] * 5
-    assert len(overrides._snapshot.keyed) == 5
+    assert len(override_snapshot._snapshot.keyed) == 5
 
 
 def test_cleanup_past_a_snapshot_makes_it_read_whole(overridable):
@@ -317,15 +319,15 @@ def test_an_ended_override_leaves_memory_without_any_change(overridable):
     limiter.block("login", "forever")
     limiter.block("login", "briefly", until=timedelta(seconds=0.3))
     assert decide("briefly") == "block"
-    assert len(overrides._snapshot.keyed) == 2
+    assert len(override_snapshot._snapshot.keyed) == 2
     time.sleep(0.35)
     assert decide("briefly") is None
-    assert list(overrides._snapshot.keyed) == [("login", encode_key("forever").digest)]
-    assert len(overrides._snapshot.expiring) == 0
+    assert list(override_snapshot._snapshot.keyed) == [("login", encode_key("forever").digest)]
+    assert len(override_snapshot._snapshot.expiring) == 0
 
 
 def test_a_full_read_past_the_documented_figure_warns(overridable, monkeypatch, caplog):
-    monkeypatch.setattr(overrides, "WARN_IN_FORCE", 5)
+    monkeypatch.setattr(override_snapshot, "WARN_IN_FORCE", 5)
     load(6)
     with caplog.at_level(logging.WARNING, logger="django_tokenbucket"):
         limiter.check("login", "k")

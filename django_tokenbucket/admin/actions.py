@@ -27,7 +27,7 @@ from ..registry import interpret, known_limits
 from ..text import format_tokens
 from . import buckets
 from .buckets import BucketAdminViews
-from .display import _Context, _row
+from .display import Context, display_row
 
 __all__ = ["BucketActions", "SetTokensForm"]
 
@@ -74,8 +74,8 @@ class BucketActions(BucketAdminViews):
             for obj, flag, message in entries
         )
 
-    def _describe_now(self, obj: RateLimit, context: _Context) -> str:
-        row = _row(obj, context)
+    def _describe_now(self, obj: RateLimit, context: Context) -> str:
+        row = display_row(obj, context)
         if row.live is None:
             return "limit not configured"
         return f"{format_tokens(row.live.value)} of {format_tokens(row.live.capacity)} tokens"
@@ -85,7 +85,7 @@ class BucketActions(BucketAdminViews):
         if not rows:
             return 0
         backend = row_backend(rows[0]._state.db or "default")
-        context = _Context(now=backend.store_now(), limits=known_limits())
+        context = Context(now=backend.store_now(), limits=known_limits())
         self._log(
             request,
             [

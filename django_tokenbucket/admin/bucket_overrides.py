@@ -40,7 +40,7 @@ from ..override_operations import (
 )
 from ..registry import KnownLimit, known_limits
 from .buckets import BucketAdminViews
-from .display import _DIGEST
+from .display import DIGEST
 
 __all__ = ["BucketOverrides"]
 
@@ -121,7 +121,7 @@ class BucketOverrides(BucketAdminViews):
         known = self._limit_of(alias, request.POST.get("name"))
         digest = request.POST.get("digest", "")
         action = request.POST.get("action")
-        if not _DIGEST.fullmatch(digest) or action not in (BLOCK, EXEMPT, MULTIPLY):
+        if not DIGEST.fullmatch(digest) or action not in (BLOCK, EXEMPT, MULTIPLY):
             raise PermissionDenied
         back = request.POST.get("next", "")
         if not url_has_allowed_host_and_scheme(back, {request.get_host()}, require_https=request.is_secure()):

@@ -34,7 +34,7 @@ from ..registry import KnownLimit, known_limits
 from ..request_keys import key_from_text
 from ..shards import key_buckets
 from ..text import describe_rate, format_duration, format_tokens
-from .display import _DIGEST, _HEX_PREFIX, _full_again, _key_html, _local_time, _meter
+from .display import DIGEST, HEX_PREFIX, fill_meter, full_again_text, key_html, local_time
 
 __all__ = ["MAX_ACTION_ROWS", "BucketAdminViews", "limitations", "stored_elsewhere"]
 
@@ -176,7 +176,7 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
                     page = backend.list_buckets(known.config, digest_prefix=part.digest)
                     found.update((bucket.digest, bucket) for bucket in page.buckets)
                     now = page.now
-        if _HEX_PREFIX.fullmatch(term.lower()):
+        if HEX_PREFIX.fullmatch(term.lower()):
             page = backend.list_buckets(
                 known.config, cursor=cursor, digest_prefix=term.lower(), page_size=self.bucket_page_size
             )
@@ -225,7 +225,7 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
                 "q": term,
                 "scanned": _scanned_note(progress, more=next_cursor is not None, empty=not buckets),
                 "config": describe_rate(known.config),
-                "now": _local_time(now) if now else None,
+                "now": local_time(now) if now else None,
                 "rows": [self._bucket_row(alias, known, bucket, now) for bucket in buckets],
                 "next_url": (
                     self._url("buckets", alias, name=name, cursor=next_cursor, **({"q": term} if term.strip() else {}))
@@ -243,15 +243,15 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
         live = live_state(known.config, bucket.state, bucket.digest, now)
         return {
             "digest": bucket.digest,
-            "key": _key_html(bucket.label, bucket.digest),
+            "key": key_html(bucket.label, bucket.digest),
             "tokens": format_html(
                 '{}<br><span class="tb-tokens">{} {} {}</span>',
-                _meter(live),
+                fill_meter(live),
                 format_tokens(live.value, places=2),
                 _("of"),
                 format_tokens(live.capacity),
             ),
-            "full_again": _full_again(live),
+            "full_again": full_again_text(live),
             "url": self._url("bucket", alias, name=known.name, digest=bucket.digest),
         }
 
@@ -262,7 +262,7 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
         backend = self._backend(alias)
         known = self._limit_of(alias, request.GET.get("name"))
         digest = request.GET.get("digest", "")
-        if not _DIGEST.fullmatch(digest) or not backend.lists_buckets:
+        if not DIGEST.fullmatch(digest) or not backend.lists_buckets:
             raise Http404("No such key.")
         try:
             page = backend.list_buckets(known.config, digest_prefix=digest)
@@ -281,12 +281,15 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
         )
         fields = [
             (_("limit"), known.name),
-            (_("key"), _key_html("" if bucket is None else bucket.label, digest)),
+            (_("key"), key_html("" if bucket is None else bucket.label, digest)),
             (_("key digest"), digest),
             (_("tokens now"), format_tokens(live.value)),
             (_("capacity"), format_tokens(live.capacity)),
-            (_("fill"), format_html('{} <span class="tb-percent">{}%</span>', _meter(live), round(live.fill * 100))),
-            (_("full again"), _full_again(live)),
+            (
+                _("fill"),
+                format_html('{} <span class="tb-percent">{}%</span>', fill_meter(live), round(live.fill * 100)),
+            ),
+            (_("full again"), full_again_text(live)),
             (_("next token"), next_token),
         ]
         if bucket is None:
@@ -294,7 +297,7 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
         else:
             fields += [
                 (_("stored value (µ-tokens)"), f"{bucket.state.value} ({format_tokens(bucket.state.value)} tokens)"),
-                (_("last update"), _local_time(bucket.state.ts)),
+                (_("last update"), local_time(bucket.state.ts)),
                 (_("stored ts (µs since the epoch)"), str(bucket.state.ts)),
             ]
         fields.append((_("config"), f"{describe_rate(known.config)} ({known.source})"))
@@ -305,7 +308,7 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
                 "digest": digest,
                 "stored": bucket is not None,
                 "fields": fields,
-                "now": _local_time(page.now),
+                "now": local_time(page.now),
                 "list_url": self._url("buckets", alias, name=known.name),
                 "reset_url": self._url("bucket_reset", alias),
             }
@@ -345,7 +348,7 @@ class BucketAdminViews(admin.ModelAdmin):  # type: ignore[type-arg]
                 messages.SUCCESS,
             )
             return HttpResponseRedirect(list_url)
-        digests = [d for d in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME) if _DIGEST.fullmatch(d)]
+        digests = [d for d in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME) if DIGEST.fullmatch(d)]
         if not digests:
             self.message_user(request, str(_("No keys were selected: nothing was reset.")), messages.WARNING)
             return HttpResponseRedirect(list_url)

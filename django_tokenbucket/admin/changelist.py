@@ -15,7 +15,7 @@ from django.utils.translation import gettext_lazy as _
 from ..backends import row_backend
 from ..live import FULL, LIMITED, PARTIAL
 from ..registry import known_limits
-from .display import _UNCONFIGURED, _context, _row
+from .display import UNCONFIGURED, display_row, page_context
 
 __all__ = ["LimitNameFilter", "RateLimitChangeList", "StateFilter"]
 
@@ -25,10 +25,10 @@ class RateLimitChangeList(ChangeList):
 
     def get_results(self, request: HttpRequest) -> None:
         super().get_results(request)
-        context = _context(request, self.queryset.db)
+        context = page_context(request, self.queryset.db)
         rows = list(self.result_list)
         for obj in rows:
-            _row(obj, context)
+            display_row(obj, context)
         self.result_list = rows
 
 
@@ -58,15 +58,15 @@ class StateFilter(admin.SimpleListFilter):
             (LIMITED, _("limited (less than one token)")),
             (PARTIAL, _("partially used")),
             (FULL, _("full")),
-            (_UNCONFIGURED, _("limit not configured")),
+            (UNCONFIGURED, _("limit not configured")),
         ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
         value = self.value()
         if not value:
             return queryset
-        context = _context(request, queryset.db)
-        if value == _UNCONFIGURED:
+        context = page_context(request, queryset.db)
+        if value == UNCONFIGURED:
             return queryset.exclude(name__in=list(context.limits))
         if value not in (LIMITED, PARTIAL, FULL):
             return queryset.none()

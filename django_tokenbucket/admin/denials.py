@@ -24,7 +24,7 @@ from ..backends import backend_aliases, get_backend
 from ..backends.base import KEY_MINUTES_KEPT, BackendError, BaseBackend, MinuteCounts
 from ..registry import KnownLimit
 from .charts import chart_svg, minute_day_time, totals
-from .display import _key_html, _local_time
+from .display import key_html, local_time
 
 __all__ = ["DOCS", "KeyRow", "LimitDenials", "analytics_status", "limit_denials", "overview_charts"]
 
@@ -56,7 +56,7 @@ def analytics_status() -> dict[str, Any]:
         "pending_allowed": sum(counts["allowed"] for counts in pending.values()),
         "pending_denied": sum(counts["denied"] for counts in pending.values()),
         "store_failures": [
-            {"backend": backend, "count": count, "error": error, "at": _local_time(int(at * MICRO))}
+            {"backend": backend, "count": count, "error": error, "at": local_time(int(at * MICRO))}
             for backend, (count, error, at) in sorted(metrics.store_failures.seen().items())
         ],
     }
@@ -207,5 +207,5 @@ def _key_rows(
     keys: Iterable[analytics.DeniedKeyCount], alias: str, bucket_url: Callable[[str, str], str]
 ) -> Iterable[KeyRow]:
     for row in keys:
-        yield KeyRow(_key_html(row.label, row.digest), row.digest, row.denied, bucket_url(alias, row.digest))
+        yield KeyRow(key_html(row.label, row.digest), row.digest, row.denied, bucket_url(alias, row.digest))
 

@@ -29,17 +29,32 @@ from ..models import RateLimit
 from ..registry import KnownLimit, interpret, known_limits
 from ..text import describe_rate, format_duration, format_tokens
 
-__all__ = ["BucketColumns", "CappedPaginator"]
+__all__ = [
+    "DIGEST",
+    "HEX_PREFIX",
+    "UNCONFIGURED",
+    "BucketColumns",
+    "CappedPaginator",
+    "Context",
+    "Row",
+    "display_row",
+    "fill_meter",
+    "full_again_text",
+    "key_html",
+    "local_time",
+    "page_context",
+]
 
 
 _LABEL_SHOWN = 40
 
 
-_DIGEST = re.compile(r"[0-9a-f]{64}")
-_HEX_PREFIX = re.compile(r"[0-9a-f]{8,64}")
-
-
-_UNCONFIGURED = "unconfigured"
+#: A key's digest as a form or a URL sends it: what a bucket page and an action accept.
+DIGEST = re.compile(r"[0-9a-f]{64}")
+#: A search term taken as the start of a digest.
+HEX_PREFIX = re.compile(r"[0-9a-f]{8,64}")
+#: The "limit" filter's choice of rows whose limit is no longer configured.
+UNCONFIGURED = "unconfigured"
 
 
 class CappedPaginator(Paginator):  # type: ignore[type-arg]
@@ -64,7 +79,7 @@ class CappedPaginator(Paginator):  # type: ignore[type-arg]
 
 
 @dataclass(frozen=True)
-class _Context:
+class Context:
     """What every row of one request is interpreted with."""
 
     now: int
@@ -72,33 +87,38 @@ class _Context:
 
 
 @dataclass(frozen=True)
-class _Row:
+class Row:
+    """A stored bucket as the admin shows it: its limit (None: not configured) and what it holds now."""
+
     known: KnownLimit | None
     live: LiveState | None
 
 
-def _context(request: HttpRequest, alias: str) -> _Context:
+def page_context(request: HttpRequest, alias: str) -> Context:
+    """Return the Context of ``request``'s rows of database ``alias``, made once per request."""
     # One clock reading per request: every row, filter and count of a page is
     # interpreted at the same instant, so they agree with each other.
-    cache: dict[str, _Context] = request.__dict__.setdefault("_tokenbucket_admin", {})
+    cache: dict[str, Context] = request.__dict__.setdefault("_tokenbucket_admin", {})
     if alias not in cache:
-        cache[alias] = _Context(now=row_backend(alias).store_now(), limits=known_limits())
+        cache[alias] = Context(now=row_backend(alias).store_now(), limits=known_limits())
     return cache[alias]
 
 
-def _row(obj: RateLimit, context: _Context) -> _Row:
-    row: _Row | None = getattr(obj, "_tokenbucket_row", None)
+def display_row(obj: RateLimit, context: Context) -> Row:
+    """Return ``obj`` interpreted at ``context``'s instant, once per row."""
+    row: Row | None = getattr(obj, "_tokenbucket_row", None)
     if row is None:
         known = interpret(obj.name, context.limits)
         live = None
         if known is not None:
             live = live_state(known.config, State(obj.value, obj.ts), obj.key, context.now)
-        row = _Row(known, live)
+        row = Row(known, live)
         obj._tokenbucket_row = row  # type: ignore[attr-defined]
     return row
 
 
-def _local_time(us: int) -> str:
+def local_time(us: int) -> str:
+    """Return ``us`` (µs since the epoch) in the project's time zone, or the number when no date holds it."""
     try:
         moment = timezone.localtime(datetime.fromtimestamp(us / MICRO, tz=UTC))
     except (OverflowError, OSError, ValueError):
@@ -106,7 +126,8 @@ def _local_time(us: int) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S %Z")
 
 
-def _meter(live: LiveState) -> SafeString:
+def fill_meter(live: LiveState) -> SafeString:
+    """Return a bucket's fill as a ``<meter>``."""
     # <meter> colours itself from low/high/optimum: below one token (limited) it shows
     # as bad, full as good, in between as so-so. No inline style needed.
     return format_html(
@@ -121,7 +142,8 @@ def _meter(live: LiveState) -> SafeString:
     )
 
 
-def _key_html(label: str, digest: str) -> SafeString:
+def key_html(label: str, digest: str) -> SafeString:
+    """Return a key as the lists show it: its label (shortened), else its digest's start; both on hover."""
     label = label_as_typed(label)
     title = f"{label}\ndigest: {digest}" if label else f"digest: {digest}"
     if not label:
@@ -130,7 +152,8 @@ def _key_html(label: str, digest: str) -> SafeString:
     return format_html('<span class="tb-key" title="{}">{}</span>', title, shown)
 
 
-def _full_again(live: LiveState) -> SafeString | str:
+def full_again_text(live: LiveState) -> SafeString | str:
+    """Return when a bucket is full again ("full", "in 3 min"), and when its next token comes."""
     if live.full_after == 0:
         return format_html('<span class="tb-full">{}</span>', _("full"))
     if live.next_token_after:
@@ -147,13 +170,13 @@ class BucketColumns:
 
     _rows_cache: Any
 
-    def _row(self, obj: RateLimit) -> _Row:
-        row: _Row | None = getattr(obj, "_tokenbucket_row", None)
+    def _row(self, obj: RateLimit) -> Row:
+        row: Row | None = getattr(obj, "_tokenbucket_row", None)
         if row is not None:
             return row
         # The detail page: interpreted on its own, at a fresh clock reading.
         alias = obj._state.db or "default"
-        return _row(obj, _Context(now=row_backend(alias).store_now(), limits=known_limits()))
+        return display_row(obj, Context(now=row_backend(alias).store_now(), limits=known_limits()))
 
     @admin.display(description=_("limit"))
     def limit_name(self, obj: RateLimit) -> SafeString:
@@ -171,7 +194,7 @@ class BucketColumns:
 
     @admin.display(description=_("key"))
     def key_label(self, obj: RateLimit) -> SafeString:
-        return _key_html(obj.label, obj.key)
+        return key_html(obj.label, obj.key)
 
     @admin.display(description=_("key digest"))
     def key_digest(self, obj: RateLimit) -> str:
@@ -195,7 +218,7 @@ class BucketColumns:
             return "—"
         return format_html(
             '{}<br><span class="tb-tokens">{} {} {}</span>',
-            _meter(live),
+            fill_meter(live),
             self.tokens_now(obj),
             _("of"),
             format_tokens(known.config.capacity),
@@ -211,12 +234,12 @@ class BucketColumns:
         live = self._row(obj).live
         if live is None:
             return "—"
-        return format_html('{} <span class="tb-percent">{}%</span>', _meter(live), round(live.fill * 100))
+        return format_html('{} <span class="tb-percent">{}%</span>', fill_meter(live), round(live.fill * 100))
 
     @admin.display(description=_("full again"))
     def full_again(self, obj: RateLimit) -> SafeString | str:
         live = self._row(obj).live
-        return "—" if live is None else _full_again(live)
+        return "—" if live is None else full_again_text(live)
 
     @admin.display(description=_("next token"))
     def next_token(self, obj: RateLimit) -> str:
@@ -232,7 +255,7 @@ class BucketColumns:
         return format_html(
             '<span title="{}">{}</span>',
             _("Time of the stored value (for fixed windows: the start of its window)"),
-            _local_time(obj.ts),
+            local_time(obj.ts),
         )
 
     @admin.display(description=_("stored value (µ-tokens)"))

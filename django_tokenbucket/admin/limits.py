@@ -23,7 +23,7 @@ from ..text import describe_rate, format_tokens
 from .actions import BucketActions
 from .bucket_overrides import BucketOverrides
 from .denials import analytics_status, limit_denials, overview_charts
-from .display import _Context, _context, _local_time
+from .display import Context, local_time, page_context
 
 __all__ = ["LimitsOverview"]
 
@@ -63,9 +63,9 @@ class LimitsOverview(BucketOverrides, BucketActions):
 
     def _counts(
         self, request: HttpRequest, names: list[str] | None = None
-    ) -> tuple[_Context, dict[str, dict[str, int]]]:
+    ) -> tuple[Context, dict[str, dict[str, int]]]:
         database = self.get_queryset(request).db
-        context = _context(request, database)
+        context = page_context(request, database)
         configs = [known.config for known in context.limits.values()]
         counts = row_backend(database).count_by_state(configs, context.now, only=names, partial=names is not None)
         return context, counts
@@ -144,7 +144,7 @@ class LimitsOverview(BucketOverrides, BucketActions):
                 "title": _("Rate limits by limit"),
                 "opts": self.opts,
                 "entries": entries,
-                "now": _local_time(context.now),
+                "now": local_time(context.now),
                 **status,
                 "media": self.media,
             },
@@ -200,7 +200,7 @@ class LimitsOverview(BucketOverrides, BucketActions):
                 ],
                 "by_state": name not in elsewhere,
                 "changelist_url": keys_url,
-                "now": _local_time(context.now),
+                "now": local_time(context.now),
                 **status,
                 "denials": denials,
                 "media": self.media,

@@ -1,12 +1,12 @@
 """``LimitOverrideAdmin``: the runtime overrides, listed, made, edited, expired and deleted.
 
-Every write goes through the limiter or ``django_tokenbucket.overrides``, never a
-plain ``Model.save()``/``delete()``: those bump the version stamp in the same
-transaction, without which other processes would apply the old override until the
-next change. A new override is made by ``limiter.override``/``exempt``/``block`` (the
-key as ``tokenbucket --key`` takes it, normalised as decisions normalise it); an
-edited one is written again by ``overrides.save``; the limit and the key of one are
-fixed (delete it and make another).
+Every write goes through ``overrides.make``/``overrides.delete``, never a plain
+``Model.save()``/``delete()``: those bump the version stamp in the same transaction,
+without which other processes would apply the old override until the next change. A
+new override is made by ``limiter.override``/``exempt``/``block`` (the key as
+``tokenbucket --key`` takes it, normalised as decisions normalise it); an edited one is
+written again by ``override_operations.resave``, with the same checks; the limit and
+the key of one are fixed (delete it and make another).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from ..override_operations import (
 )
 from ..registry import known_limits
 from ..request_keys import key_from_text
-from .display import _DIGEST
+from .display import DIGEST
 
 __all__ = ["LimitOverrideAdmin", "OverrideAddForm", "OverrideChangeForm"]
 
@@ -163,7 +163,7 @@ class OverrideAddForm(_NoModelValidation):
         #: The key the override was made for, for the admin's message of which bucket it reaches.
         self.key = key
         try:
-            existing = replaced(name, overrides.key_digest(name, key)[0])
+            existing = replaced(name, overrides.key_digest(name, key).digest)
             if existing is not None and not self.may_replace:
                 self.add_error(
                     None,
@@ -241,6 +241,11 @@ class OverrideChangeForm(_NoModelValidation):
         if self.errors:
             return data
         row: LimitOverride = self.instance
+        try:
+            overrides.require_on(row.name)
+        except ImproperlyConfigured as exc:
+            self.add_error(None, str(exc))
+            return data
         changes: dict[str, Any] = {"reason": data["reason"]}
         until = self._expiry(data)
         if data.get("duration") or "expires_at" in self.changed_data:
@@ -366,12 +371,12 @@ class LimitOverrideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     ) -> tuple[QuerySet[Any], bool]:
         results, may_have_duplicates = super().get_search_results(request, queryset, search_term)
         term = search_term.strip()
-        if _DIGEST.fullmatch(term.lower()):
+        if DIGEST.fullmatch(term.lower()):
             results = results | queryset.filter(key=term.lower())
         elif term:
             # Request data is stored as a digest only: found by the key as typed.
             keys = [term, key_from_text(term)]
-            digests = [overrides.key_digest("", key)[0] for key in keys if key is not None]
+            digests = [overrides.key_digest("", key).digest for key in keys if key is not None]
             results = results | queryset.filter(key__in=digests)
         return results, may_have_duplicates
 
@@ -456,11 +461,15 @@ class LimitOverrideAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.action(description=_("Expire selected overrides now"), permissions=["change"])
     def expire_now(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         ended = 0
-        with transaction.atomic(using=overrides.database_alias()):
-            for row in queryset:
-                if expire(row):
-                    ended += 1
-                    self.log_change(request, row, "Expired now.")
+        try:
+            with transaction.atomic(using=overrides.database_alias()):
+                for row in queryset:
+                    if expire(row):
+                        ended += 1
+                        self.log_change(request, row, "Expired now.")
+        except ImproperlyConfigured as exc:  # overrides are off: every change rolled back
+            self.message_user(request, str(_("Nothing was changed: %(error)s") % {"error": exc}), messages.ERROR)
+            return
         self.message_user(
             request,
             ngettext("Expired %(count)d override.", "Expired %(count)d overrides.", ended) % {"count": ended},

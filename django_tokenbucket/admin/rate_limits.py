@@ -22,7 +22,7 @@ from ..registry import known_limits
 from ..request_keys import key_from_text
 from .buckets import stored_elsewhere
 from .changelist import LimitNameFilter, RateLimitChangeList, StateFilter
-from .display import _DIGEST, BucketColumns, CappedPaginator
+from .display import DIGEST, BucketColumns, CappedPaginator
 from .limits import LimitsOverview
 
 __all__ = ["RateLimitAdmin"]
@@ -116,7 +116,7 @@ class RateLimitAdmin(BucketColumns, LimitsOverview):
     ) -> tuple[QuerySet[Any], bool]:
         results, may_have_duplicates = super().get_search_results(request, queryset, search_term)
         term = search_term.strip()
-        if _DIGEST.fullmatch(term.lower()):
+        if DIGEST.fullmatch(term.lower()):
             results = results | queryset.filter(key=term.lower())
         elif term:
             # Keys from request data are stored as digests only: found by the exact key,

@@ -243,7 +243,7 @@ def blocks_in_force(name: str, digests: Iterable[str]) -> Any:
 
 
 def _now() -> datetime:
-    return overrides._as_datetime(clock.app_now())
+    return overrides.as_datetime(clock.app_now())
 
 
 def _blocked(limit: LimitConfig, keys: list[object]) -> Status | None:
@@ -335,12 +335,10 @@ def _block(
     when it ends; return when it ends, or None when it could not be written."""
     which = "" if lockouts is None else f" (lockout {lockouts} within LOCKOUT_MEMORY)"
     try:
-        row = overrides.save_checked(
+        row = overrides.make(
             limit.name,
-            digest,
-            label,
+            overrides.Digest(digest, label),
             overrides.BLOCK,
-            {},
             until=timedelta(seconds=seconds),
             reason=f"Locked out by login protection: its failed logins emptied the bucket{which}.",
             created_by=LOCKOUT_AUTHOR,

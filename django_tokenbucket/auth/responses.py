@@ -16,7 +16,7 @@ from __future__ import annotations
 from django.http import HttpRequest, HttpResponseBase
 
 from ..exceptions import BackendUnavailable
-from ..http import _wants_json, rate_limited_response, unavailable_response
+from ..http import rate_limited_response, unavailable_response, wants_json
 from .attempts import refusal_of
 from .backend import active
 
@@ -36,7 +36,7 @@ def login_response(request: HttpRequest, response: HttpResponseBase) -> HttpResp
         if hooked.status_code == 429 and retry_after is not None and not hooked.has_header("Retry-After"):
             hooked["Retry-After"] = str(retry_after)
         return hooked
-    if not _wants_json(request) or not 400 <= code < 500:
+    if not wants_json(request) or not 400 <= code < 500:
         return response
     if refusal.unavailable:
         name = login.limit if login is not None else "login"

@@ -199,7 +199,7 @@ class OverrideCommands:
         whom = "every key" if key is None else f"key {as_typed(key)}"
         # The limit need not be configured any more: its overrides can still be removed.
         try:
-            found = replaced(name, overrides.key_digest(name, key)[0])
+            found = replaced(name, overrides.key_digest(name, key).digest)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         if found is None:

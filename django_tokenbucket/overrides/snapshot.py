@@ -1,4 +1,4 @@
-"""Overrides made while the site runs, and this process' snapshot of them.
+"""This process' snapshot of the overrides in force, and its refresh.
 
 An operator who gives a tenant ten times its quota, exempts a partner or blocks an
 account writes a ``LimitOverride`` row; every process must then apply it to its next
@@ -18,14 +18,11 @@ docs/settings.md#overrides. A change made by this process applies to its next de
 one made by another process within ``MAX_AGE``. An override past its ``expires_at``
 stops applying at once, without waiting for a refresh, and leaves memory at the next.
 
-The rows live in the application's database (the alias the routers give the model for
-writes) whatever store decides the limits, a Redis-only project included: the admin
-and the command edit them as models, and one query per process per ``MAX_AGE`` costs a
-database nothing. The refresh runs in the decision's driver (``api``), never in a plan,
-so that the asyncio paths run it through ``sync_to_async`` rather than on the event
-loop. A refresh that fails (the database down, the table not migrated) keeps the
-snapshot it had, logs, and tries again after ``MAX_AGE``: overrides must not turn a
-database outage into a rate-limiter outage for limits on Redis.
+The refresh runs in the decision's driver (``api``), never in a plan, so that the
+asyncio paths run it through ``sync_to_async`` rather than on the event loop. A refresh
+that fails (the database down, the table not migrated) keeps the snapshot it had, logs,
+and tries again after ``MAX_AGE``: overrides must not turn a database outage into a
+rate-limiter outage for limits on Redis.
 
 Thread-safe (one refresh at a time; readers take the snapshot as one reference),
 re-read in a forked child, and forgotten when ``TOKENBUCKET`` changes.
@@ -36,138 +33,41 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import SyncToAsync, sync_to_async
-from django.apps import apps
-from django.core.exceptions import ImproperlyConfigured
-from django.db import connections, router, transaction
-from django.db.models import Case, F, Max, Q, Value, When
+from django.db import connections, transaction
+from django.db.models import Q
 from django.utils import timezone
 
-from . import clock, deny_cache
-from .algorithms import MICRO
-from .keys import Redacted, encode_key, is_request_data_key
-from .limits import LimitConfig, parse_limit
-from .logs import throttled_logger
-from .plans import plan_base
-from .request_keys import canonical_spec, ip_key_from_text, normalize_identity
-from .settings import OVERRIDES_MAX_AGE, tokenbucket_settings
-from .settings import OverridesSettings as Settings
+from .. import clock, deny_cache
+from ..logs import throttled_logger
+from ..plans import plan_base
+from ..settings import tokenbucket_settings
+from .rows import EPOCH, FIELDS, MICROSECOND, database_alias, from_row, models
+from .rules import Override, Settings
 
 if TYPE_CHECKING:
-    from .models import LimitOverride, OverridesVersion, OverrideTombstone
+    from ..models import LimitOverride, OverrideTombstone
 
 __all__ = [
-    "ACTIONS",
-    "BLOCK",
-    "EXEMPT",
-    "LIMIT",
-    "LONGEST",
-    "NUMBERS",
-    "Override",
-    "Settings",
+    "WARN_IN_FORCE",
     "active",
     "after_fork_in_child",
     "arefresh_if_due",
-    "check_admits",
+    "changed",
     "current",
-    "database_alias",
-    "delete",
-    "derive",
-    "expiry",
-    "in_force",
     "invalidate",
-    "key_digest",
     "lookup",
     "refresh_if_due",
-    "save",
-    "save_checked",
     "settings_changed",
 ]
-
-LIMIT = "limit"
-EXEMPT = "exempt"
-BLOCK = "block"
-ACTIONS = (LIMIT, EXEMPT, BLOCK)
-#: The fields of a ``limit`` override, as LimitConfig and the model name them.
-NUMBERS = ("rate", "period", "capacity", "max_reserved")
-
-
-@dataclass(frozen=True, slots=True)  # slots: a process may hold 10^5 of them (docs/settings.md#overrides)
-class Override:
-    """One override as this process holds it: what a ``LimitOverride`` row says, in the
-    units decisions use."""
-
-    name: str
-    #: The key's digest; "" for every key of the limit.
-    digest: str
-    action: str
-    rate: int | None = None
-    period: int | None = None
-    capacity: int | None = None
-    max_reserved: int | None = None
-    #: µs since the epoch; None: never.
-    expires: int | None = None
-    #: The last limit this override was applied to, and the result: a decision applies
-    #: it to the same LimitConfig object every time.
-    _applied: tuple[LimitConfig, LimitConfig] | None = field(default=None, compare=False, repr=False)
-
-    def in_force(self, now: int) -> bool:
-        """Whether this override applies at ``now`` (µs since the epoch)."""
-        return self.expires is None or now < self.expires
-
-    def wait(self, now: int) -> float | None:
-        """Seconds from ``now`` (µs) until this override ends; None when it never does."""
-        return None if self.expires is None else max(0, self.expires - now) / MICRO
-
-    def config(self, base: LimitConfig) -> LimitConfig:
-        """Return ``base`` with this override's numbers in place (a ``limit`` override)."""
-        applied = self._applied
-        if applied is not None and applied[0] is base:
-            return applied[1]
-        derived = derive(base, self.rate, self.period, self.capacity, self.max_reserved)
-        object.__setattr__(self, "_applied", (base, derived))
-        return derived
-
-
-def derive(
-    base: LimitConfig, rate: int | None, period: int | None, capacity: int | None, max_reserved: int | None
-) -> LimitConfig:
-    """Return ``base`` with the numbers given (micro-units) replacing its own.
-
-    Validated as a limit in ``LIMITS`` is (ImproperlyConfigured naming the limit). A
-    capacity not given follows a new rate when the limit's capacity is its rate (the
-    default, as in a limit written with that rate), and stays what it was otherwise.
-    """
-    spec: dict[str, Any] = {
-        "kind": base.kind,
-        "rate": Fraction(base.rate if rate is None else rate, MICRO),
-        "period": Fraction(base.period if period is None else period, MICRO),
-        "shadow": base.shadow,
-        "shards": base.shards,
-        "backend": base.backend,
-        "deny_cache": base.deny_cache,
-    }
-    if capacity is not None:
-        spec["capacity"] = Fraction(capacity, MICRO)
-    elif rate is None or base.capacity != base.rate:
-        spec["capacity"] = Fraction(base.capacity, MICRO)
-    reserved = base.max_reserved if max_reserved is None else max_reserved
-    if reserved is not None:
-        spec["max_reserved"] = Fraction(reserved, MICRO)
-    if base.start is not None:
-        spec["start"] = Fraction(base.start, MICRO)
-    return parse_limit(base.name, spec)
 
 
 class _Snapshot:
@@ -417,7 +317,7 @@ def _read() -> None:
     """Bring the snapshot up to date: the rows changed since it, or all of them when it
     cannot be (the first read, another epoch, a count gone back, cleanup past it)."""
     global _snapshot, _behind
-    overrides, version, tombstones = _models()
+    overrides, version, tombstones = models()
     alias = database_alias()
     in_transaction = connections[alias].in_atomic_block
     # Inside the caller's transaction a failing query must not break it (PostgreSQL
@@ -477,9 +377,6 @@ def _read() -> None:
         )
 
 
-_FIELDS = ("name", "key", "action", *NUMBERS, "expires_at")
-
-
 def _whole(overrides: type[LimitOverride], alias: str) -> _Snapshot:
     rows = overrides.objects.using(alias).all()
     # Expired rows stay until cleanup deletes them; they need no place in memory. A
@@ -491,8 +388,8 @@ def _whole(overrides: type[LimitOverride], alias: str) -> _Snapshot:
     keyed, every_key, names, expiring = snapshot.keyed, snapshot.every_key, snapshot.names, snapshot.expiring
     # The per-row work of the one read that grows with the table, kept to the bone: one
     # (name, key) per row (unique), so no row replaces another.
-    for name, digest, action, rate, period, capacity, max_reserved, expires_at in rows.values_list(*_FIELDS):
-        expires = None if expires_at is None else (expires_at - _EPOCH) // _MICROSECOND
+    for name, digest, action, rate, period, capacity, max_reserved, expires_at in rows.values_list(*FIELDS):
+        expires = None if expires_at is None else (expires_at - EPOCH) // MICROSECOND
         override = Override(name, digest, action, rate, period, capacity, max_reserved, expires)
         if digest:
             keyed[(name, digest)] = override
@@ -522,16 +419,16 @@ def _changes_since(
         which = Q()
         for name, digest in chunk:
             which |= Q(name=name, key=digest)
-        for row in overrides.objects.using(alias).filter(which).values_list(*_FIELDS, "revision"):
-            latest[(row[0], row[1])] = (-1, _from_row(*row[:-1]))
+        for row in overrides.objects.using(alias).filter(which).values_list(*FIELDS, "revision"):
+            latest[(row[0], row[1])] = (-1, from_row(*row[:-1]))
     deleted = tombstones.objects.using(alias).filter(revision__gt=revision)
     for name, digest, at in deleted.values_list("name", "key", "revision"):
         latest[(name, digest)] = (at, None)
     # A key deleted and written again has both: the later revision is what it has now.
-    for row in overrides.objects.using(alias).filter(revision__gt=revision).values_list(*_FIELDS, "revision"):
+    for row in overrides.objects.using(alias).filter(revision__gt=revision).values_list(*FIELDS, "revision"):
         known = latest.get((row[0], row[1]))
         if known is None or known[0] < row[-1]:
-            latest[(row[0], row[1])] = (row[-1], _from_row(*row[:-1]))
+            latest[(row[0], row[1])] = (row[-1], from_row(*row[:-1]))
     now = None if clock.override() is not None else clock.app_now()
     return {
         row: None if override is None or (now is not None and not override.in_force(now)) else override
@@ -558,291 +455,9 @@ def _forget(keys: set[tuple[str, str]], limits: set[str]) -> None:
         deny_cache.forget_overridden(keys, limits)
 
 
-def _from_row(
-    name: str,
-    digest: str,
-    action: str,
-    rate: int | None,
-    period: int | None,
-    capacity: int | None,
-    max_reserved: int | None,
-    expires_at: datetime | None,
-) -> Override:
-    expires = None if expires_at is None else _as_micro(expires_at)
-    return Override(name, digest, action, rate, period, capacity, max_reserved, expires)
-
-
-def _models() -> tuple[type[LimitOverride], type[OverridesVersion], type[OverrideTombstone]]:
-    # Looked up, not imported: this module is imported (by ``api``) before the app
-    # registry is ready, when settings files import ``django_tokenbucket``.
-    return (
-        apps.get_model("django_tokenbucket", "LimitOverride"),
-        apps.get_model("django_tokenbucket", "OverridesVersion"),
-        apps.get_model("django_tokenbucket", "OverrideTombstone"),
-    )
-
-
-def database_alias() -> str:
-    """Return the database alias that holds the overrides (the routers' choice for writes).
-
-    Reads go there too: a replica that lags would hide a change this process just made.
-    """
-    return router.db_for_write(_models()[0]) or "default"
-
-
-#: The furthest an override may end from now (100 years). Further is a slip of the
-#: keyboard rather than a plan (None lasts until cleared), and soon past what a datetime
-#: holds (year 9999): ``now + until`` would raise OverflowError, and a database would
-#: store an end it cannot read back.
-LONGEST = timedelta(days=36_525)
-LONGEST_TEXT = "100 years"
-
-
-def expiry(name: str, until: object) -> datetime | None:
-    """Return when an override made now with ``until`` ends; ValueError naming limit ``name``
-    when ``until`` is not in the future or more than ``LONGEST`` from now."""
-    if until is None:
-        return None
-    now = _as_datetime(clock.app_now())
-    if isinstance(until, timedelta):
-        # Clamped before the addition, which would overflow past year 9999 (or before 1):
-        # the checks below refuse what was clamped.
-        ends = now + max(min(until, LONGEST + timedelta(1)), timedelta(0))
-    elif isinstance(until, datetime):
-        ends = until if timezone.is_aware(until) else timezone.make_aware(until)
-    else:
-        raise ValueError(f"rate limit {name!r}: until must be a datetime or a timedelta, not {until!r}")
-    if ends <= now:
-        raise ValueError(f"rate limit {name!r}: until {until!r} is not in the future (now is {now.isoformat()})")
-    if ends - now > LONGEST:
-        raise ValueError(
-            f"rate limit {name!r}: until {until!r} is more than {LONGEST_TEXT} from now (now is {now.isoformat()}); "
-            f"leave it out for an override that lasts until cleared"
-        )
-    return ends
-
-
-def key_digest(name: str, key: object) -> tuple[str, str]:
-    """Return the digest and label an override of ``key`` is stored under ("" for every key).
-
-    A key of request data (``("post:username", "Alice@Example.com ")``,
-    ``("header:X-Api-Key", ...)``) is normalised as the decorator normalises what a
-    request sends, and an address (``("ip", "2001:db8::7")``, ``("ip", "::ffff:192.0.2.9")``)
-    becomes the network or IPv4 address that keys its requests, so that the override
-    reaches the bucket that request's decisions use. ValueError naming limit ``name``
-    when ``key`` cannot be a key.
-    """
-    if key is None:
-        return "", ""
-    if is_request_data_key(key) and isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], str):
-        key = (canonical_spec(key[0]), Redacted(normalize_identity(key[1])))
-    elif isinstance(key, tuple) and len(key) == 2 and key[0] == "ip" and isinstance(key[1], str):
-        key = ip_key_from_text(key[1]) or key
-    try:
-        encoded = encode_key(key)
-    except TypeError as exc:
-        raise ValueError(f"rate limit {name!r}: {exc}") from None
-    return encoded.digest, encoded.label
-
-
-def check_admits(limit: LimitConfig, numbers: Mapping[str, int | None]) -> None:
-    """Raise ValueError naming the limit unless ``numbers`` (micro-units, None: the limit's
-    own) make a valid limit of ``limit`` that can admit a call of one token."""
-    try:
-        derived = derive(limit, **(dict.fromkeys(NUMBERS) | dict(numbers)))
-    except ImproperlyConfigured as exc:
-        raise ValueError(f"{exc} (in an override)") from None
-    if derived.max_plain_count < MICRO and (derived.max_count or 0) < MICRO:
-        raise ValueError(
-            f"rate limit {limit.name!r}: this override could never admit a call of one token "
-            f"(capacity {derived.capacity_tokens:g}); give a capacity of at least 1, or block the key"
-        )
-
-
-def save_checked(
-    name: str,
-    digest: str,
-    label: str,
-    action: str,
-    numbers: Mapping[str, int | None],
-    *,
-    until: object,
-    reason: str,
-    created_by: str,
-) -> LimitOverride:
-    """``save`` after the checks every writer makes (the API, the admin, the command):
-    overrides on, ``reason`` and ``created_by`` text, ``until`` in the future. ``numbers``
-    are checked by the caller (``check_admits``)."""
-    if active() is None:
-        raise ImproperlyConfigured(
-            f"rate limit {name!r}: overrides are off (TOKENBUCKET['OVERRIDES'] is False), so this one "
-            f"would never apply; set OVERRIDES to {{'MAX_AGE': {OVERRIDES_MAX_AGE}}} to use them"
-        )
-    for what, text in (("reason", reason), ("created_by", created_by)):
-        if not isinstance(text, str):
-            raise ValueError(f"rate limit {name!r}: {what} must be a str, not {text!r}")
-    if len(created_by) > 150:
-        raise ValueError(f"rate limit {name!r}: created_by must be at most 150 characters (a username)")
-    fields = {"expires_at": expiry(name, until), "reason": reason, "created_by": created_by}
-    return save(name, digest, label, action, dict.fromkeys(NUMBERS) | dict(numbers), fields)
-
-
-def save(
-    name: str, digest: str, label: str, action: str, numbers: dict[str, int | None], fields: dict[str, Any]
-) -> LimitOverride:
-    """Create or replace the override of key ``digest`` ("" every key) of limit ``name``.
-
-    The row, at the next revision, and the version row change in one transaction, which
-    joins the caller's.
-    """
-    overrides, _, _ = _models()
-    alias = database_alias()
-    with transaction.atomic(using=alias):
-        revision = _bump(alias)
-        row, _created = overrides.objects.using(alias).update_or_create(
-            name=name,
-            key=digest,
-            defaults={"label": label, "action": action, **numbers, **fields, "revision": revision},
-        )
-    _changed(alias, revision, (name, digest))
-    return row
-
-
-def delete(name: str, digest: str) -> int:
-    """Delete the override of key ``digest`` ("" every key) of limit ``name``; return how many.
-
-    A tombstone at the next revision tells the other processes, which read what changed.
-    """
-    overrides, _, tombstones = _models()
-    alias = database_alias()
-    rows = overrides.objects.using(alias).filter(name=name, key=digest)
-    if not rows.exists():  # nothing to tell anyone: no revision for it
-        return 0
-    with transaction.atomic(using=alias):
-        # The version row first, as every writer takes it: two writers never wait for
-        # each other's row in the opposite order.
-        revision = _bump(alias)
-        removed, _by_model = rows.delete()
-        tombstones.objects.using(alias).update_or_create(
-            name=name, key=digest, defaults={"revision": revision, "deleted_at": _as_datetime(clock.app_now())}
-        )
-    # Told even when another writer deleted it meanwhile: a tombstone is never wrong.
-    _changed(alias, revision, (name, digest))
-    return int(removed)
-
-
-#: Seconds a tombstone is kept before cleanup deletes it: a process whose snapshot is
-#: older than that (idle for a day) reads every override at its next decision.
-TOMBSTONES_KEPT = 86_400
-
-
-def remove_expired(*, names: Iterable[str] | None = None, dry_run: bool = False) -> int:
-    """Delete the overrides that expired more than ``KEEP_EXPIRED`` ago (of limits ``names``,
-    or all); return how many went (would go, with ``dry_run``). Cleanup calls it.
-
-    An expired override applies nowhere already, so nothing changes for any decision and
-    no process has to read the overrides again: ``OverridesVersion.floor`` rises past the
-    revisions deleted (and those of tombstones older than ``TOMBSTONES_KEPT``, deleted
-    too), so that only a process whose snapshot is older than them reads them all. Nothing
-    is done while overrides are off (the tables may not exist); ``KEEP_EXPIRED`` None
-    keeps every override, tombstones still go.
-    """
-    found = active()
-    if found is None:
-        return 0
-    overrides, version, tombstones = _models()
-    alias = database_alias()
-    now = clock.app_now()
-    expired = overrides.objects.using(alias).none()
-    if found.keep_expired is not None:
-        expired = overrides.objects.using(alias).filter(
-            expires_at__lt=_as_datetime(now - round(found.keep_expired * MICRO))
-        )
-    old = tombstones.objects.using(alias).filter(deleted_at__lt=_as_datetime(now - TOMBSTONES_KEPT * MICRO))
-    if names is not None:
-        names = list(names)
-        expired, old = expired.filter(name__in=names), old.filter(name__in=names)
-    if dry_run:
-        return int(expired.count())
-    with transaction.atomic(using=alias):
-        # Locked: no change can take a revision between the floor read here and the deletion.
-        list(version.objects.using(alias).select_for_update().filter(pk=1).values_list("pk"))
-        floor = max(
-            expired.aggregate(most=Max("revision"))["most"] or 0, old.aggregate(most=Max("revision"))["most"] or 0
-        )
-        removed, _by_model = expired.delete()
-        old.delete()
-        if floor:
-            version.objects.using(alias).filter(pk=1, floor__lt=floor).update(floor=floor)
-    return int(removed)
-
-
-def in_force(name: str | None = None) -> list[LimitOverride]:
-    """Return the overrides in force (of limit ``name``, or all), by limit and key."""
-    overrides, _, _ = _models()
-    rows = overrides.objects.using(database_alias()).filter(
-        Q(expires_at__isnull=True) | Q(expires_at__gt=_as_datetime(clock.app_now()))
-    )
-    if name is not None:
-        rows = rows.filter(name=name)
-    return list(rows.order_by("name", "key"))
-
-
-def _bump(alias: str) -> int:
-    """Count one more change in the version row, in the caller's transaction; return its revision.
-
-    The row stays locked until that transaction ends, so changes take their revisions
-    in the order they commit: a process that read revision N has read every change up
-    to N. A row whose stamp is not ``-revision`` was last changed by a version of this
-    app that did not count (see ``OverridesVersion``): a new epoch makes every process
-    read the whole table once.
-    """
-    _, version, _ = _models()
-    rows = version.objects.using(alias).filter(pk=1)
-
-    def count() -> int:
-        # The assignments in this order: MySQL and MariaDB evaluate them left to right,
-        # each seeing the ones before; the others all see the row as it was. Here both
-        # read the stamp and the revision as they were.
-        return rows.update(
-            epoch=Case(When(stamp=-F("revision"), then=F("epoch")), default=Value(_new_epoch())),
-            stamp=-(F("revision") + 1),
-            revision=F("revision") + 1,
-        )
-
-    if not count():  # no row yet (a new or flushed table): made, or found made meanwhile
-        _make_version_row(alias, version)
-        count()
-    return int(rows.values_list("revision", flat=True).get())
-
-
-def _make_version_row(alias: str, version: type[OverridesVersion]) -> None:
-    """Insert the version row at revision 0 unless another writer just did, without an error."""
-    writer = connections[alias]
-    if writer.vendor != "mysql":
-        # ON CONFLICT DO NOTHING (PostgreSQL waits for the other writer's commit first).
-        version.objects.using(alias).bulk_create(
-            [version(pk=1, epoch=_new_epoch(), revision=0, stamp=0, floor=0)], ignore_conflicts=True
-        )
-        return
-    # Not INSERT IGNORE (Django's ignore_conflicts here): on a duplicate it takes a shared
-    # lock, and two writers that both hold one deadlock when the UPDATE wants it
-    # exclusive. ON DUPLICATE KEY UPDATE takes the exclusive lock at once.
-    quote = writer.ops.quote_name
-    columns = ", ".join(quote(column) for column in ("id", "epoch", "revision", "stamp", "floor"))
-    with writer.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {quote(version._meta.db_table)} ({columns}) VALUES (1, %s, 0, 0, 0) "
-            f"ON DUPLICATE KEY UPDATE {quote('id')} = {quote('id')}",
-            [_new_epoch()],
-        )
-
-
-def _new_epoch() -> int:
-    return secrets.randbits(62) + 1  # never 0, what a missing row reads as
-
-
-def _changed(alias: str, revision: int, row: tuple[str, str]) -> None:
+def changed(alias: str, revision: int, row: tuple[str, str]) -> None:
+    """Read the version stamp again before the next decision: this process wrote (or deleted)
+    the override of ``row`` at ``revision`` on ``alias``, maybe in a transaction not over yet."""
     invalidate()
     writer = connections[alias]
     if not writer.in_atomic_block:
@@ -858,18 +473,6 @@ def _changed(alias: str, revision: int, row: tuple[str, str]) -> None:
     change.callback = committed
     _pending.append(change)
     transaction.on_commit(committed, using=alias)
-
-
-def _as_datetime(micro: int) -> datetime:
-    return datetime.fromtimestamp(micro / MICRO, tz=UTC)
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_MICROSECOND = timedelta(microseconds=1)
-
-
-def _as_micro(moment: datetime) -> int:
-    return (moment - _EPOCH) // _MICROSECOND
 
 
 def after_fork_in_child() -> None:
