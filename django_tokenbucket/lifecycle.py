@@ -45,7 +45,7 @@ TOKENBUCKET = frozenset({"TOKENBUCKET"})
 #: (module, its reset function, the Django settings its state is built from).
 ON_SETTING_CHANGED: tuple[tuple[str, str, frozenset[str]], ...] = (
     ("django_tokenbucket.settings", "tokenbucket_settings.reload", TOKENBUCKET),
-    ("django_tokenbucket.backends", "reset_backend", TOKENBUCKET),
+    ("django_tokenbucket.backends.aliases", "reset_backend", TOKENBUCKET),
     # The Redis backends' clients, key prefixes and clocks.
     ("django_tokenbucket.backends.redis.backend", "settings_changed", frozenset({"CACHES", "TOKENBUCKET"})),
     ("django_tokenbucket.deny_cache", "clear", TOKENBUCKET),
@@ -75,7 +75,7 @@ AFTER_FORK: tuple[tuple[str, str], ...] = (
     ("django_tokenbucket.hints", "after_fork_in_child"),
     ("django_tokenbucket.metrics", "after_fork_in_child"),
     ("django_tokenbucket.backends.base", "after_fork_in_child"),
-    ("django_tokenbucket.backends", "after_fork_in_child"),
+    ("django_tokenbucket.backends.aliases", "after_fork_in_child"),
     ("django_tokenbucket.backends.database.deadline", "after_fork_in_child"),
     ("django_tokenbucket.backends.redis.breaker", "after_fork_in_child"),
     ("django_tokenbucket.backends.redis.clients", "after_fork_in_child"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from types import ModuleType
 
 from django.db import models
 from django.utils import timezone
@@ -135,14 +134,6 @@ class Reservation(models.Model):
     def refunded_tokens(self) -> float:
         """Return the tokens given back (by ``refund`` or ``cancel``)."""
         return self.refunded / MICRO
-
-    def cancel(self) -> bool:
-        """Cancel this reservation if it has not started; see ``reservations.cancel``."""
-        return bool(_reservations().cancel(self))
-
-    def refund(self, count: int | float) -> bool:
-        """Give back unused tokens once the work has started; see ``reservations.refund``."""
-        return bool(_reservations().refund(self, count))
 
 
 class LimitOverride(models.Model):
@@ -325,10 +316,3 @@ class DeniedKeyMinute(models.Model):
     def __str__(self) -> str:
         return f"{self.name} @{self.minute} [{label_as_typed(self.label) or self.digest[:12]}]: {self.denied} denied"
 
-
-def _reservations() -> ModuleType:
-    # Imported on use: the Celery integration's reservations (which look this model up
-    # rather than import it) need Celery, which a project without schedule() lacks.
-    from .celery import reservations
-
-    return reservations

@@ -35,7 +35,6 @@ if not IN_CI:
 
 from celery import chain
 
-import django_tokenbucket.celery as tb_celery
 from django_tokenbucket import RateLimited, limiter
 from django_tokenbucket.celery import (
     CELERY_DEFAULTS,
@@ -43,6 +42,7 @@ from django_tokenbucket.celery import (
     cancel,
     current_reservation,
     max_eta,
+    publishing,
     refund,
     schedule,
     sweep,
@@ -148,7 +148,7 @@ def percentile(values: list[float], q: float) -> float:
 def sent(monkeypatch):
     """Record publishing instead of sending: (reservation id, eta, options) per message."""
     messages: list[tuple[str, Any, dict[str, Any]]] = []
-    monkeypatch.setattr(tb_celery, "_send", lambda pk, eta, options: messages.append((str(pk), eta, options)))
+    monkeypatch.setattr(publishing, "_send", lambda pk, eta, options: messages.append((str(pk), eta, options)))
     return messages
 
 
@@ -240,15 +240,15 @@ def test_on_commit_callbacks_of_a_rollback_are_dropped(django_capture_on_commit_
 
 
 def test_publish_failure_leaves_it_for_the_sweeper(monkeypatch, sent):
-    recorder = tb_celery._send
+    recorder = publishing._send
 
     def broker_down(pk, eta, options):
         raise ConnectionRefusedError("broker down")
 
-    monkeypatch.setattr(tb_celery, "_send", broker_down)
+    monkeypatch.setattr(publishing, "_send", broker_down)
     result = schedule(record_effect.s("x"), "hourly", "k", config=HOURLY)  # no error for the caller
     assert result.ok and Reservation.objects.get().status == S.SCHEDULED
-    monkeypatch.setattr(tb_celery, "_send", recorder)
+    monkeypatch.setattr(publishing, "_send", recorder)
     report = sweep()
     assert (report.published, report.republished, report.publish_errors) == (1, 0, 0)
     assert [pk for pk, _, _ in sent] == [str(result.reservation.pk)]
@@ -374,7 +374,7 @@ def test_cancel_returns_the_tokens_once(tables, sent):
     assert result.reservation.status == S.CANCELLED and result.reservation.refunded_tokens == 4
     assert limiter.get_value("hourly", "k", config=HOURLY) == pytest.approx(10, abs=0.01)
     limiter.limit("hourly", "k", count=5, config=HOURLY)
-    assert cancel(result.reservation.pk) is False and result.reservation.cancel() is False
+    assert cancel(result.reservation.pk) is False and cancel(result.reservation) is False
     assert limiter.get_value("hourly", "k", config=HOURLY) == pytest.approx(5, abs=0.01)
     run_now(result.reservation)
     assert effects() == []
@@ -397,12 +397,12 @@ def test_a_task_returns_unused_tokens_once(tables, sent):
     stored = Reservation.objects.get()
     assert stored.refunded_tokens == pytest.approx(2.8) and stored.refunded_at is not None
     assert limiter.get_value("hourly", "k", config=HOURLY) == pytest.approx(8.8, abs=0.01)
-    assert stored.refund(1) is False and refund(stored.pk, 1) is False
+    assert refund(stored, 1) is False and refund(stored.pk, 1) is False
     assert limiter.get_value("hourly", "k", config=HOURLY) == pytest.approx(8.8, abs=0.01)
     other = schedule(record_effect.s("x"), "hourly", "k", config=HOURLY, count=2).reservation
     run_now(other)
     with pytest.raises(ValueError, match="cannot refund 3"):
-        other.refund(3)
+        refund(other, 3)
 
 
 def test_a_failed_task_rolls_back_its_writes_and_refunds_once(tables, sent):
@@ -473,7 +473,7 @@ def test_redis_cancel_and_refund_return_tokens_once(redis_tokens, tables, sent):
     assert limiter.get_value("hourly", "k", config=HOURLY) == pytest.approx(3, abs=0.01)
     run_now(first.reservation)
     assert cancel(second.reservation) and not cancel(second.reservation)
-    assert not first.reservation.refund(1)
+    assert not refund(first.reservation, 1)
     assert limiter.get_value("hourly", "k", config=HOURLY) == pytest.approx(7.5, abs=0.01)
 
 
@@ -500,13 +500,13 @@ def worker(tables, workdir, django_db_blocker):
 def published(monkeypatch):
     """Count the messages this process publishes (they are still sent)."""
     count = {"messages": 0}
-    real = tb_celery._send
+    real = publishing._send
 
     def counting(pk, eta, options):
         count["messages"] += 1
         real(pk, eta, options)
 
-    monkeypatch.setattr(tb_celery, "_send", counting)
+    monkeypatch.setattr(publishing, "_send", counting)
     return count
 
 
@@ -686,7 +686,7 @@ def test_killing_pool_processes_mid_task_still_gives_one_side_effect_each(worker
 
 def _schedule_then_die(config: dict[str, Any]) -> None:
     """In a forked process: commit a reservation, then die before publishing it."""
-    tb_celery._send = lambda *args: os._exit(3)  # type: ignore[assignment]
+    publishing._send = lambda *args: os._exit(3)  # type: ignore[assignment]
     schedule(record_effect.s("crash"), "hourly", "crash", config=config)
     os._exit(0)
 
@@ -697,7 +697,7 @@ def test_sweeper_recovers_a_lost_publish(worker, workdir, monkeypatch):
     beat = CeleryProcess(workdir, kind="beat", sweep_every=1.0)
     try:
         # (1) The broker refused the message after the commit.
-        real = tb_celery._send
+        real = publishing._send
         calls = {"n": 0}
 
         def fail_once(pk, eta, options):
@@ -706,7 +706,7 @@ def test_sweeper_recovers_a_lost_publish(worker, workdir, monkeypatch):
                 raise ConnectionError("broker unreachable")
             real(pk, eta, options)
 
-        monkeypatch.setattr(tb_celery, "_send", fail_once)
+        monkeypatch.setattr(publishing, "_send", fail_once)
         refused = schedule(record_effect.s("refused"), "hourly", "k", config=HOURLY).reservation
         committed = time.time()
         assert Reservation.objects.get(pk=refused.pk).status == S.SCHEDULED

@@ -117,12 +117,11 @@ def test_the_compat_layer_obeys_a_block_and_an_exemption(backend):
 @pytest.mark.every_database  # the reservation is a row on either store
 def test_schedule_obeys_a_block_and_other_numbers(backend, monkeypatch):
     # Imported here: the Celery integration is an extra, and the rest of this file needs none.
-    import django_tokenbucket.celery as tb_celery
-    from django_tokenbucket.celery import schedule
+    from django_tokenbucket.celery import publishing, schedule
 
     from .celery_tasks import record_effect
 
-    monkeypatch.setattr(tb_celery, "_send", lambda pk, eta, options: None)
+    monkeypatch.setattr(publishing, "_send", lambda pk, eta, options: None)
     config = {"rate": 10, "period": 3600, "max_reserved": 10}
     assert schedule(record_effect.s("first"), "hourly", "k", config=config).ok
     limiter.block("hourly", "k")

@@ -66,8 +66,8 @@ def took_nothing(status: Status) -> bool:
 
 
 def reservation_model() -> type[Reservation]:
-    """Return the ``Reservation`` model. Looked up, not imported: the model's ``cancel()``
-    and ``refund()`` call this module, which must not import the models back."""
+    """Return the ``Reservation`` model. Looked up, not imported: this package may be
+    imported before the app registry is ready (a settings module, a Celery app module)."""
     return apps.get_model("django_tokenbucket", "Reservation")
 
 #: ``TOKENBUCKET["CELERY"]``'s settings and their defaults (read by django_tokenbucket.celery).
@@ -193,7 +193,7 @@ def cancel(reservation: ReservationRef) -> bool:
     return True
 
 
-def refund(reservation: ReservationRef, count: int | float) -> bool:
+def refund(reservation: ReservationRef | HeldTokens, count: int | float) -> bool:
     """Give back ``count`` unused tokens of a reservation whose work has started.
 
     For work that used less than it reserved: an LLM call that reserved 4,000 tokens
@@ -202,7 +202,11 @@ def refund(reservation: ReservationRef, count: int | float) -> bool:
     ignored). Called from the task itself (``current_reservation().refund(...)``) it
     joins the task's transaction. Raises ValueError for a reservation that has not
     started (cancel it instead) or never ran, or a count above what it reserved.
+    ``refund(current_reservation(), n)`` also gives back a ``RateLimitedTask``'s
+    ``HeldTokens`` (see ``HeldTokens.refund``).
     """
+    if isinstance(reservation, HeldTokens):
+        return reservation.refund(count)
     try:
         amount = count_to_micro(count)
     except ValueError as exc:

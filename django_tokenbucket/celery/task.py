@@ -36,8 +36,11 @@ from ..api import limiter
 from ..exceptions import RateLimited
 from ..limits import LimitConfig
 from ..status import Status
-from . import _current, _publish, _record_reservation, _undo_reservation, reservations, run_reservation_work
+from . import reservations
+from .publishing import publish
 from .reservations import WAITING, HeldTokens, reservation_model, took_nothing
+from .runs import RESERVATION_VAR, run_reservation_work
+from .scheduling import record_reservation, undo_reservation
 from .signatures import dump_signature, load_signature
 
 __all__ = ["RESERVATION_HEADER", "RateLimitedTask", "deferral_id"]
@@ -109,7 +112,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
         # longer publishes, but a message already in a broker may be): the tokens are
         # not this call's to take.
         if self.request.called_directly:
-            deferred = _current.get()
+            deferred = RESERVATION_VAR.get()
             if isinstance(deferred, reservation_model()) and deferred.task == self.name:
                 return self._run_deferred(deferred, args, kwargs)
             return super().__call__(*args, **kwargs)
@@ -174,10 +177,11 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
             signature.options["headers"] = {k: v for k, v in headers.items() if k != RESERVATION_HEADER}
         return signature
 
-    def _publish_run(self, pk: Any, eta: datetime, stored: Mapping[str, Any]) -> None:
+    def publish_run(self, pk: Any, eta: datetime, stored: Mapping[str, Any]) -> None:
         """Publish the run of reservation ``pk`` (this task's ``stored`` signature) as a
         message of this task, under the deferred delivery's id and ``retries`` (the
-        reservation's id for ``schedule()``'s), marked with ``pk``."""
+        reservation's id for ``schedule()``'s), marked with ``pk``. ``publishing.publish``
+        calls it for every task that has it."""
         loaded = load_signature(stored)
         options = dict(loaded.get("options") or {})
         headers = {**(options.pop("headers", None) or {}), RESERVATION_HEADER: str(pk)}
@@ -221,7 +225,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
         nested = transaction.get_connection(alias).in_atomic_block
         try:
             with transaction.atomic(using=alias) if nested else nullcontext():
-                _record_reservation(
+                record_reservation(
                     status,
                     limit,
                     encoded,
@@ -238,7 +242,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
             # The decision committed on its own: its tokens go back now that the record's
             # transaction has rolled back (the same message delivered twice at once, whose
             # other delivery deferred it; or a record the database refused).
-            _undo_reservation(limit, encoded, amount)
+            undo_reservation(limit, encoded, amount)
             if isinstance(exc, IntegrityError) and self._deferred_already(objects, pk, alias):
                 raise Ignore() from None
             raise
@@ -304,7 +308,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
             return False
         if row.status in WAITING:
             # Sent again: the claim makes a second message harmless, and a lost one is found.
-            reservations.after_commit(alias, lambda: _publish(row.pk, row.eta, row.signature))
+            reservations.after_commit(alias, lambda: publish(row.pk, row.eta, row.signature))
         logger.info("task %s: delivered again after it was deferred (%s); nothing more to do", pk, row.status)
         return True
 
@@ -345,7 +349,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
         self, unspent: bool, limit: LimitConfig, key: Any, amount: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         held = None if unspent else HeldTokens(limit, limiter.encode_for(limit, key), amount)
-        token = _current.set(held)
+        token = RESERVATION_VAR.set(held)
         try:
             return super().__call__(*args, **kwargs)
         except Exception:
@@ -353,7 +357,7 @@ class RateLimitedTask(Task):  # type: ignore[misc]  # Celery ships no type infor
                 held.refund(held.tokens)
             raise
         finally:
-            _current.reset(token)
+            RESERVATION_VAR.reset(token)
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from rest_framework.settings import api_settings
 from .. import catalogue
 from ..limits import DEFAULT_BACKEND_ALIAS
 from ..rates import parse_rate
-from . import ScopedRateThrottle, SimpleRateThrottle, declared_throttle_rates
+from .throttles import ScopedRateThrottle, SimpleRateThrottle, declared_throttle_rates
 
 __all__ = ["check_throttle_rates"]
 

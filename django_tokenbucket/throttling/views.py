@@ -16,7 +16,7 @@ from ..exceptions import BackendUnavailable
 from ..http import ratelimit_headers
 from ..settings import tokenbucket_settings
 from ..view_limits import decide_view_limits
-from . import ServiceUnavailable, _no_store
+from .throttles import ServiceUnavailable, no_store
 
 __all__ = ["limit_after_authentication"]
 
@@ -62,11 +62,11 @@ def _decide_view_limits(view: Any, request: DRFRequest) -> None:
     try:
         blocking = decide_view_limits(request, chain)
     except BackendUnavailable as exc:
-        _no_store(view)
+        no_store(view)
         raise ServiceUnavailable() from exc
     headers = getattr(view, "headers", None)
     if tokenbucket_settings.HEADERS and isinstance(headers, dict):
         headers.update(ratelimit_headers(request.ratelimits))  # type: ignore[attr-defined]
     if blocking is not None:
-        _no_store(view)
+        no_store(view)
         raise Throttled(wait=blocking.retry_after)

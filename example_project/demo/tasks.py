@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.utils import timezone
 
-from django_tokenbucket.celery import current_reservation
+from django_tokenbucket.celery import current_reservation, refund
 
 from . import llm
 from .models import SummaryJob
@@ -29,4 +29,4 @@ def summarise(job_id: int) -> None:
     unused = job.tokens_reserved - completion.total_tokens
     if reservation is not None and unused > 0:
         # The next jobs of this user can run sooner; once only, even if redelivered.
-        reservation.refund(unused)
+        refund(reservation, unused)
