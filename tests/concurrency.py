@@ -12,6 +12,7 @@ sizes instead: more processes, longer runs, more keys (see ``sized``).
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -75,12 +76,22 @@ def run_processes(target: Callable[..., dict[str, Any]], processes: int, *args: 
         context.Process(target=_entry, args=(target, barrier, queue, index, args), daemon=True)
         for index in range(processes)
     ]
-    with warnings.catch_warnings():
-        # Python 3.12+ warns about fork() in a threaded process; these workers only
-        # use their own connections, opened after the fork.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for worker in workers:
-            worker.start()
+    # The workers inherit this process's heap, millions of objects once the suite has run
+    # for a while: the first full collection in a worker walks them all, and writing to
+    # each one's header copies every page of it. That stalled a worker 0.4-0.6 s mid-run
+    # (the crash test's latency bounds, in CI's full runs only). Frozen, they are never
+    # collected in the workers, as gc.freeze's documentation advises before a fork.
+    gc.collect()
+    gc.freeze()
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns about fork() in a threaded process; these workers only
+            # use their own connections, opened after the fork.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for worker in workers:
+                worker.start()
+    finally:
+        gc.unfreeze()
     results = [queue.get(timeout=timeout) for _ in workers]
     for worker in workers:
         worker.join(timeout=10)
