@@ -31,6 +31,7 @@ successor) again. A late reply or a dropped connection fails its call alone.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -166,6 +167,20 @@ def expired(timeout: float) -> DeadlineExceeded:
     return DeadlineExceeded(f"no reply within the backend's TIMEOUT = {timeout:g} s")
 
 
+_READ_TIMEOUT_BY_CLASS: dict[type[Any], bool] = {}
+
+
+def _reads_with_timeout(link_class: type[Any]) -> bool:
+    """Whether ``link_class.read_response`` takes a ``timeout`` (redis-py 8 on). Before
+    it, a read is bounded by the connection's own socket timeout alone (the backend's own
+    connections get the deadline's, clients.filled_options)."""
+    known = _READ_TIMEOUT_BY_CLASS.get(link_class)
+    if known is None:
+        parameters = inspect.signature(link_class.read_response).parameters
+        known = _READ_TIMEOUT_BY_CLASS[link_class] = "timeout" in parameters
+    return known
+
+
 def _on_link(
     pool: Any,
     commands: Sequence[Sequence[Any]],
@@ -204,7 +219,7 @@ def _on_link(
         own = link.socket_timeout
         for _ in commands:
             left = deadline - time.monotonic()
-            cut = own is None or left < own - READ_SLACK
+            cut = _reads_with_timeout(type(link)) and (own is None or left < own - READ_SLACK)
             try:
                 # A wait no longer than the time left; the connection's own timeout otherwise.
                 # Never 0: a non-blocking read with nothing to read is an error, not a timeout.
