@@ -579,32 +579,8 @@ def _private_name_uses(modules: dict[str, tuple[Path, ast.Module]]) -> set[str]:
 
 #: The private names one module still takes from another (issue 50, item 2): each is
 #: made public where it is defined, or stops being used, and leaves this list. Nothing
-#: may join it. Within the Redis backend, its modules share their script's and
-#: connections' helpers; the django-ratelimit layer its core's; ``testing`` pins the clock.
+#: may join it. The django-ratelimit layer shares its core's; ``testing`` pins the clock.
 PRIVATE_NAMES_STILL_SHARED = {
-    "django_tokenbucket.backends.redis.aio imports django_tokenbucket.backends.redis.clients._imported",
-    "django_tokenbucket.backends.redis.analytics imports django_tokenbucket.backends.redis.connections._may_have_run",
-    "django_tokenbucket.backends.redis.analytics imports django_tokenbucket.backends.redis.script._text",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.connections._may_have_run",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.connections._single_server_pool",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.keyspace._check_slots",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.keyspace._key_head",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.keyspace._node_clients",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.keyspace._state_key",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.script._HEADERS",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.script._INDEX_AND_COUNT",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.script._PINNED_HEADERS",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.script._capped",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.script._microseconds",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.script._msgpack",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.script._refund_request",
-    "django_tokenbucket.backends.redis.backend imports django_tokenbucket.backends.redis.script._reply_outcome",
-    "django_tokenbucket.backends.redis.keyspace imports django_tokenbucket.backends.redis.script._parse_state",
-    "django_tokenbucket.backends.redis.keyspace imports django_tokenbucket.backends.redis.script._text",
-    "django_tokenbucket.backends.redis.reads imports django_tokenbucket.backends.redis.script._decision",
-    "django_tokenbucket.backends.redis.reads imports django_tokenbucket.backends.redis.script._make_outcome",
-    "django_tokenbucket.backends.redis.reads imports django_tokenbucket.backends.redis.script._microseconds",
-    "django_tokenbucket.backends.redis.reads imports django_tokenbucket.backends.redis.script._parse_state",
     "django_tokenbucket.compat.ratelimit.decorators imports django_tokenbucket.compat.ratelimit.core._group_of",
     "django_tokenbucket.compat.ratelimit.decorators imports django_tokenbucket.compat.ratelimit.core._last_status",
     "django_tokenbucket.testing uses django_tokenbucket.clock._override",
