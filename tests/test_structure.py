@@ -601,6 +601,48 @@ def test_the_private_name_check_finds_one():
     }
 
 
+def _names_from_an_ancestor_face(modules: dict[str, tuple[Path, ast.Module]]) -> list[str]:
+    """``from .. import name`` (or the absolute spelling, in a function or under
+    ``TYPE_CHECKING`` too) where ``..`` is a package the module belongs to and ``name`` is
+    not one of its modules: a name its ``__init__`` re-exports. A package's ``__init__``
+    runs before any of its modules, so such a module leans on the face that re-exports
+    the name, not on the module that defines it: a cycle, as soon as the face re-exports
+    anything of that module."""
+    found = []
+    for name, (path, tree) in modules.items():
+        for line, target, names in _imported_targets(name, path, tree):
+            if name.startswith(f"{target}.") and target in modules and modules[target][0].name == "__init__.py":
+                found += [f"{name}:{line} imports {n} from {target}" for n in names if f"{target}.{n}" not in modules]
+    return sorted(found)
+
+
+def test_no_module_takes_a_name_from_the_face_of_a_package_it_belongs_to():
+    assert _names_from_an_ancestor_face(_modules()) == [], "import the name from the module that defines it"
+
+
+def test_the_ancestor_face_check_finds_one():
+    def module(source: str, path: str) -> tuple[Path, ast.Module]:
+        return PACKAGE / path, ast.parse(source)
+
+    found = _names_from_an_ancestor_face(
+        {
+            "django_tokenbucket.backends": module("from .aliases import get_backend", "backends/__init__.py"),
+            "django_tokenbucket.backends.aliases": module("get_backend = 1", "backends/aliases.py"),
+            "django_tokenbucket.backends.redis": module("from .checks import x", "backends/redis/__init__.py"),
+            "django_tokenbucket.backends.redis.checks": module(
+                "from .. import aliases, get_backend\nfrom . import x\n"
+                "def f():\n    from django_tokenbucket.backends import get_backend",
+                "backends/redis/checks.py",
+            ),
+        }
+    )
+    assert found == [
+        "django_tokenbucket.backends.redis.checks:1 imports get_backend from django_tokenbucket.backends",
+        "django_tokenbucket.backends.redis.checks:2 imports x from django_tokenbucket.backends.redis",
+        "django_tokenbucket.backends.redis.checks:4 imports get_backend from django_tokenbucket.backends",
+    ]
+
+
 #: Subpackages whose ``__init__`` still holds code of its own (issue 50, item 6: each is
 #: to move into a named module, leaving the ``__init__`` a face). None left.
 NOT_YET_FACES: set[str] = set()

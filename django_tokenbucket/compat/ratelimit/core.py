@@ -38,7 +38,8 @@ from ...logs import current_request
 from ...request_keys import canonical_spec, header_name, normalize_identity, posted_field, user_pk_from_text
 from ...settings import tokenbucket_settings
 from ...status import Status
-from . import ALL, UNSAFE, stores
+from . import stores
+from .methods import ALL, UNSAFE
 
 __all__ = ["get_usage", "is_ratelimited"]
 

@@ -14,9 +14,9 @@ from django.utils.module_loading import import_string
 from ... import registry
 from ...exceptions import RateLimited
 from ...request_keys import note_view_key
-from . import ALL, UNSAFE
 from .core import group_of, is_ratelimited, last_status
 from .exceptions import Ratelimited
+from .methods import ALL, UNSAFE
 
 __all__ = ["ratelimit"]
 
