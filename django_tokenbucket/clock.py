@@ -7,10 +7,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-__all__ = ["app_now", "override", "pinned"]
+__all__ = ["app_now", "freeze", "frozen", "override", "pinned"]
 
-#: Set by ``django_tokenbucket.testing.frozen_clock``; backends use it instead of the
-#: store's clock so that tests can make exact assertions without sleeping.
+#: Set by ``freeze`` (``django_tokenbucket.testing.frozen_clock``); backends use it
+#: instead of the store's clock so that tests can make exact assertions without sleeping.
 _override: int | None = None
 
 #: Set for the duration of one decision by ``pinned``: a DRF throttle whose ``timer``
@@ -23,6 +23,18 @@ def override() -> int | None:
     """Return the pinned time in microseconds, or None when the real clock applies."""
     pinned_now = _pinned.get()
     return _override if pinned_now is None else pinned_now
+
+
+def freeze(microseconds: int | None) -> None:
+    """Pin every decision of this process at ``microseconds`` since the epoch; None lets
+    the real clock apply again. (``pinned`` pins one context's decisions, and wins.)"""
+    global _override
+    _override = microseconds
+
+
+def frozen() -> int | None:
+    """Return the time ``freeze`` pinned, in microseconds, or None when it pinned none."""
+    return _override
 
 
 def app_now() -> int:

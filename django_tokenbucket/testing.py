@@ -19,16 +19,18 @@ class FrozenClock:
         self.set(seconds)
 
     def set(self, seconds: float) -> None:
-        clock._override = round(seconds * MICRO)
+        clock.freeze(round(seconds * MICRO))
 
     def advance(self, seconds: float) -> None:
-        assert clock._override is not None
-        clock._override += round(seconds * MICRO)
+        now = clock.frozen()
+        assert now is not None
+        clock.freeze(now + round(seconds * MICRO))
 
     @property
     def now(self) -> float:
-        assert clock._override is not None
-        return clock._override / MICRO
+        now = clock.frozen()
+        assert now is not None
+        return now / MICRO
 
 
 @contextmanager
@@ -39,7 +41,7 @@ def frozen_clock(at: float | datetime = 1_700_000_000.0) -> Iterator[FrozenClock
     ``advance(seconds)`` and ``set(seconds)``. Meant for tests: it affects every limit
     in this process.
     """
-    previous = clock._override
+    previous = clock.frozen()
     seconds = at.timestamp() if isinstance(at, datetime) else at
     # A denial remembered at an earlier test's pinned time would look fresh at this one's,
     # though the test database or Redis was emptied between them.
@@ -47,4 +49,4 @@ def frozen_clock(at: float | datetime = 1_700_000_000.0) -> Iterator[FrozenClock
     try:
         yield FrozenClock(seconds)
     finally:
-        clock._override = previous
+        clock.freeze(previous)

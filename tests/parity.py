@@ -44,12 +44,12 @@ Refunder = Callable[[Refund], Outcome]
 @contextmanager
 def pinned(now_us: int) -> Iterator[None]:
     """Pin the limiter's clock to an exact microsecond (frozen_clock takes float seconds)."""
-    previous = clock_module._override
-    clock_module._override = now_us
+    previous = clock_module.frozen()
+    clock_module.freeze(now_us)
     try:
         yield
     finally:
-        clock_module._override = previous
+        clock_module.freeze(previous)
 
 
 EXTREME_AMOUNTS = [1, 2, 3, 999_999, MICRO, MICRO + 1, 2**31, 2**52 - 1, 2**52, MAX_AMOUNT - 1, MAX_AMOUNT]

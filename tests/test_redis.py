@@ -39,7 +39,7 @@ from django_tokenbucket.backends.redis import BIGNUM_MARKER, SCRIPT, RedisBacken
 from django_tokenbucket.backends.redis import spares as spares_module
 from django_tokenbucket.backends.redis.connections import _client_retries, packed_read
 from django_tokenbucket.backends.redis.keyspace import cursor_carries_slot, scanned_fraction
-from django_tokenbucket.backends.redis.script import MAX_TTL_MS, _decision, _make_outcome, _msgpack, _reply_outcome
+from django_tokenbucket.backends.redis.script import MAX_TTL_MS, as_msgpack, fast_decision, fast_outcome, reply_outcome
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.limits import FIXED_WINDOW, LimitConfig, parse_limit
 from django_tokenbucket.testing import frozen_clock
@@ -784,15 +784,15 @@ def test_malformed_arguments_are_named_in_the_scripts_error(backend):
     """The common path leaves what it cannot read to the general path, which says what is wrong."""
     client = backend.client()
     key = backend.key(ONE_PER_SECOND, ALICE)
-    header = _msgpack(1, 1, MAX_TTL_MS, 5 * MICRO)
-    good = _msgpack(1, MICRO, "t", MICRO, MICRO, MICRO, 0, MICRO, 0)
+    header = as_msgpack(1, 1, MAX_TTL_MS, 5 * MICRO)
+    good = as_msgpack(1, MICRO, "t", MICRO, MICRO, MICRO, 0, MICRO, 0)
     assert client.eval(SCRIPT, 1, key, "-", header, good)[1] == 1  # the common path's integers
     cases = [
         ("-", b"\xd3\x00", good, "malformed header"),  # truncated MessagePack
         ("-", header, good[:-3], "malformed request 1"),
-        ("-", header, _msgpack(2, MICRO, "t", MICRO, MICRO, MICRO, 0, MICRO, 0), "malformed request 1"),  # no key 2
-        ("-", header, _msgpack(1, MICRO, "x", MICRO, MICRO, MICRO, 0, MICRO, 0), "malformed request 1"),  # no such kind
-        ("-", header, _msgpack(1, MICRO, "t", 0, MICRO, MICRO, 0, MICRO, 0), "malformed request 1"),  # rate 0
+        ("-", header, as_msgpack(2, MICRO, "t", MICRO, MICRO, MICRO, 0, MICRO, 0), "malformed request 1"),  # no key 2
+        ("-", header, as_msgpack(1, MICRO, "x", MICRO, MICRO, MICRO, 0, MICRO, 0), "malformed request 1"),  # no such kind
+        ("-", header, as_msgpack(1, MICRO, "t", 0, MICRO, MICRO, 0, MICRO, 0), "malformed request 1"),  # rate 0
         ("soon", header, good, "not an integer"),
     ]
     for now, head, request, message in cases:
@@ -802,15 +802,15 @@ def test_malformed_arguments_are_named_in_the_scripts_error(backend):
 
 
 def test_the_replys_decisions_are_what_the_constructors_make():
-    """_decision and _make_outcome fill __dict__ at once; they must make equal objects."""
-    fast = _decision(False, -3, 7, 11)
+    """fast_decision and fast_outcome fill __dict__ at once; they must make equal objects."""
+    fast = fast_decision(False, -3, 7, 11)
     assert fast == Decision(False, -3, 7, 11, None) and hash(fast) == hash(Decision(False, -3, 7, 11, None))
     assert repr(fast) == repr(Decision(False, -3, 7, 11, None))
     with pytest.raises(FrozenInstanceError):
         fast.value = 4  # type: ignore[misc]
-    assert _make_outcome([fast], 5) == Outcome([Decision(False, -3, 7, 11, None)], 5)
-    assert _reply_outcome(b"5 0 -3 7 11", 1) == Outcome([fast], 5)
-    assert _reply_outcome("5 1 2 - 0", 1) == Outcome([Decision(True, 2, None, 0, None)], 5)
+    assert fast_outcome([fast], 5) == Outcome([Decision(False, -3, 7, 11, None)], 5)
+    assert reply_outcome(b"5 0 -3 7 11", 1) == Outcome([fast], 5)
+    assert reply_outcome("5 1 2 - 0", 1) == Outcome([Decision(True, 2, None, 0, None)], 5)
 
 
 def test_the_script_is_package_data():

@@ -64,7 +64,7 @@ from redis._parsers import (
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.connection import to_bool
 
-from .clients import PRIMARY_CLIENTS, _imported, cache_primary, filled_options
+from .clients import PRIMARY_CLIENTS, cache_primary, filled_options, imported_option
 
 __all__ = ["AsyncioClients"]
 
@@ -213,9 +213,6 @@ class AsyncioClients:
             ) from exc
         raise _ThreadPath(f"CACHES[{self.alias!r}] uses the connection factory {factory!r}")
 
-    def _imported(self, options: dict[str, Any], option: str, default: str) -> Any:
-        return _imported(options, option, default)
-
     def _asyncio_class(self, option: str, blocking: Any) -> Any:
         counterpart = _ASYNCIO_CLASSES.get(blocking)
         if counterpart is None:
@@ -227,7 +224,7 @@ class AsyncioClients:
         params: dict[str, Any] = {}
         parser = options.get("PARSER_CLASS")
         if parser is not None:
-            params["parser_class"] = self._asyncio_class("PARSER_CLASS", self._imported(options, "PARSER_CLASS", ""))
+            params["parser_class"] = self._asyncio_class("PARSER_CLASS", imported_option(options, "PARSER_CLASS", ""))
         if options.get("USERNAME"):
             params["username"] = options["USERNAME"]
         if options.get("PASSWORD"):
@@ -262,10 +259,11 @@ class AsyncioClients:
 
     def _plain(self, url: str, params: dict[str, Any], options: dict[str, Any]) -> tuple[Any, Any]:
         pool_class = self._asyncio_class(
-            "CONNECTION_POOL_CLASS", self._imported(options, "CONNECTION_POOL_CLASS", "redis.connection.ConnectionPool")
+            "CONNECTION_POOL_CLASS",
+            imported_option(options, "CONNECTION_POOL_CLASS", "redis.connection.ConnectionPool"),
         )
         client_class = self._asyncio_class(
-            "REDIS_CLIENT_CLASS", self._imported(options, "REDIS_CLIENT_CLASS", "redis.client.Redis")
+            "REDIS_CLIENT_CLASS", imported_option(options, "REDIS_CLIENT_CLASS", "redis.client.Redis")
         )
         pool = pool_class.from_url(url, **{**params, **self._kwargs(options, "CONNECTION_POOL_KWARGS")})
         pool.make_connection()  # refuses options its connections do not take, now rather than per call
@@ -283,10 +281,10 @@ class AsyncioClients:
             raise self._option_error("SENTINELS", "SentinelConnectionFactory needs a list of (host, port)")
         pool_class = self._asyncio_class(
             "CONNECTION_POOL_CLASS",
-            self._imported(options, "CONNECTION_POOL_CLASS", "redis.sentinel.SentinelConnectionPool"),
+            imported_option(options, "CONNECTION_POOL_CLASS", "redis.sentinel.SentinelConnectionPool"),
         )
         client_class = self._asyncio_class(
-            "REDIS_CLIENT_CLASS", self._imported(options, "REDIS_CLIENT_CLASS", "redis.client.Redis")
+            "REDIS_CLIENT_CLASS", imported_option(options, "REDIS_CLIENT_CLASS", "redis.client.Redis")
         )
         pool_kwargs = self._kwargs(options, "CONNECTION_POOL_KWARGS")
         sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]

@@ -35,8 +35,8 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from ..analytics_store import checked_limit, checked_span, merged_keys, merged_minutes
 from ..base import KEY_MINUTES_KEPT, MINUTES_KEPT, BackendError, DeniedKeyCount, MinuteCounts
-from .connections import _may_have_run
-from .script import _text
+from .connections import may_have_run
+from .script import as_text
 
 __all__ = ["EXPIRY_MARGIN", "AnalyticsKeys", "analytics_key"]
 
@@ -119,7 +119,7 @@ class AnalyticsKeys:
                 pipe.expire(key, ttl)
             pipe.execute()
         except _ERRORS as exc:
-            ambiguous = client is not None and _may_have_run(client, exc)
+            ambiguous = client is not None and may_have_run(client, exc)
             raise self._analytics_failed("writing denial analytics", exc, ambiguous=ambiguous) from exc
 
     def read_minutes(self, names: Sequence[str], since: int, until: int) -> list[MinuteCounts]:
@@ -143,7 +143,7 @@ class AnalyticsKeys:
             counts: dict[int, list[int]] = {}
             for reply in replies[index * len(hours) : (index + 1) * len(hours)]:
                 for field, value in (reply or {}).items():
-                    minute_text, _, kind = _text(field).partition(":")
+                    minute_text, _, kind = as_text(field).partition(":")
                     minute = int(minute_text)
                     if since <= minute < until and kind in ("a", "d"):
                         counts.setdefault(minute, [0, 0])[kind == "d"] += int(value)
@@ -167,7 +167,7 @@ class AnalyticsKeys:
         except _ERRORS as exc:
             raise self._analytics_failed("reading denial analytics", exc) from exc
         # Scores are doubles: exact integers up to 2**53, far beyond any count here.
-        totals = sorted(((-round(float(score)), _text(member)) for member, score in pairs))
+        totals = sorted(((-round(float(score)), as_text(member)) for member, score in pairs))
         return [DeniedKeyCount(name, digest, "", -negated) for negated, digest in totals[:limit]]
 
     def trim_analytics(self, now_minute: int) -> int:

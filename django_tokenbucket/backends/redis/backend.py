@@ -33,6 +33,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -69,26 +70,18 @@ from .bounded import (
 )
 from .checks import check_cache
 from .clients import decision_client
-from .connections import (
-    ClusterConnectionFactory,
-    _may_have_run,
-    _single_server_pool,
-    run_on_link,
-    script_pool,
-)
-from .keyspace import KeyspaceListing, _check_slots, _key_head, _node_clients, _state_key, state_key
+from .connections import ClusterConnectionFactory, may_have_run, run_on_link, script_pool, single_server_pool
+from .keyspace import KeyspaceListing, check_one_slot, key_head, node_clients, state_key, tagged_key
 from .reads import ReadsFirst
 from .script import (
-    _HEADERS,
-    _INDEX_AND_COUNT,
-    _PINNED_HEADERS,
+    HEADERS,
+    INDEX_AND_COUNT,
+    PINNED_HEADERS,
     SCRIPT,
     SCRIPT_SHA,
-    _capped,
-    _microseconds,
-    _msgpack,
-    _refund_request,
-    _reply_outcome,
+    as_msgpack,
+    reply_outcome,
+    time_microseconds,
 )
 
 __all__ = ["RedisBackend", "settings_changed"]
@@ -234,11 +227,11 @@ class RedisBackend(ReadsFirst, AnalyticsKeys, KeyspaceListing, BaseBackend):
                 if read is not None:
                     return read
             keys, argv = self._command(connection, requests, apply=apply)
-            _check_slots(connection.client, keys, requests)
+            check_one_slot(connection.client, keys, requests)
             reply = self._run(connection, keys, argv, deadline)
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc, ambiguous=apply and self._script_may_have_run(exc)) from exc
-        return self._learned(_reply_outcome(reply, len(requests)), requests, apply)
+        return self._learned(reply_outcome(reply, len(requests)), requests, apply)
 
     async def adecide(self, requests: Sequence[Request], *, apply: bool) -> Outcome:
         """``decide()`` on the asyncio client of the running event loop: the same script,
@@ -266,12 +259,12 @@ class RedisBackend(ReadsFirst, AnalyticsKeys, KeyspaceListing, BaseBackend):
                     return read
             client = connection.client
             keys, argv = self._command(connection, requests, apply=apply)
-            _check_slots(client, keys, requests)
+            check_one_slot(client, keys, requests)
             reply = await self._arun(connection, keys, argv, deadline)
         except (RedisError, RedisClusterException, OSError) as exc:
-            ambiguous = apply and client is not None and _may_have_run(client, exc)
+            ambiguous = apply and client is not None and may_have_run(client, exc)
             raise self._failed(exc, ambiguous=ambiguous) from exc
-        return self._learned(_reply_outcome(reply, len(requests)), requests, apply)
+        return self._learned(reply_outcome(reply, len(requests)), requests, apply)
 
     def _learned(self, outcome: Outcome, requests: Sequence[Request], apply: bool) -> Outcome:
         """Return ``outcome``, after remembering whether its key is likely denied next time."""
@@ -286,11 +279,11 @@ class RedisBackend(ReadsFirst, AnalyticsKeys, KeyspaceListing, BaseBackend):
         """Return the keys and arguments of the decision script for ``requests``."""
         override = clock.override()
         if override is not None:
-            now, header = str(override), _PINNED_HEADERS[apply]
+            now, header = str(override), PINNED_HEADERS[apply]
         elif connection.app_clock:
-            now, header = str(clock.app_now()), _HEADERS[apply]
+            now, header = str(clock.app_now()), HEADERS[apply]
         else:
-            now, header = "-", _HEADERS[apply]
+            now, header = "-", HEADERS[apply]
         if len(requests) == 1:
             # The common call, without the bookkeeping of shared rows.
             request = requests[0]
@@ -357,7 +350,7 @@ class RedisBackend(ReadsFirst, AnalyticsKeys, KeyspaceListing, BaseBackend):
         if tokenbucket_settings.CLOCK == "app":
             return clock.app_now()
         try:
-            return _microseconds(_node_clients(self.client())[0].time())
+            return time_microseconds(node_clients(self.client())[0].time())
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc) from exc
 
@@ -381,7 +374,7 @@ class RedisBackend(ReadsFirst, AnalyticsKeys, KeyspaceListing, BaseBackend):
         connection = self._connection
         if connection is None:  # no client could be made: nothing was sent
             return False
-        return _may_have_run(connection.client, exc)
+        return may_have_run(connection.client, exc)
 
     def _connect(self) -> _Connection:
         """Return the client and key prefix of the cache, loaded again after CACHES changed.
@@ -397,7 +390,7 @@ class RedisBackend(ReadsFirst, AnalyticsKeys, KeyspaceListing, BaseBackend):
             return connection
         generation = _settings_generation
         client = decision_client(self.cache_alias, self.setting, self.timeout)
-        single = _single_server_pool(client)
+        single = single_server_pool(client)
         connection = self._connection = _Connection(
             generation,
             client,
@@ -417,7 +410,7 @@ class RedisBackend(ReadsFirst, AnalyticsKeys, KeyspaceListing, BaseBackend):
             return None
         keys = self._asyncio_keys
         if keys is None or keys[0] != generation or keys[3] is not client:
-            keys = self._asyncio_keys = (generation, *self._key_function(), client, _single_server_pool(client))
+            keys = self._asyncio_keys = (generation, *self._key_function(), client, single_server_pool(client))
         return _Connection(generation, client, keys[1], keys[2], _app_clock(), keys[4])
 
     def _key_function(self) -> tuple[str | None, Callable[[str], Any]]:
@@ -431,8 +424,8 @@ class RedisBackend(ReadsFirst, AnalyticsKeys, KeyspaceListing, BaseBackend):
     def _key(connection: _Connection, limit: _Limit, key: EncodedKey) -> str:
         if connection.prefix is not None:
             # What default_key_func makes of it, without the cache lookup per call.
-            return connection.prefix + _state_key(limit.key_head, key)
-        return str(connection.make_key(_state_key(limit.key_head, key)))
+            return connection.prefix + tagged_key(limit.key_head, key)
+        return str(connection.make_key(tagged_key(limit.key_head, key)))
 
     def _limit(self, config: LimitConfig) -> _Limit:
         """Return what decisions on ``config`` send, formatted on its first decision only."""
@@ -444,12 +437,12 @@ class RedisBackend(ReadsFirst, AnalyticsKeys, KeyspaceListing, BaseBackend):
         # A fresh state's value is the capacity and, but for fixed windows without a
         # start, its ts is the same for every key.
         fresh = config.fresh_state("")
-        fresh_ts = None if algorithm.phased and config.start is None else _msgpack(fresh.ts)
+        fresh_ts = None if algorithm.phased and config.start is None else as_msgpack(fresh.ts)
         limit = _Limit(
             config,
-            _key_head(config),
-            _msgpack(algorithm.code, config.rate, config.period, config.capacity, 0, fresh.value),
-            _msgpack(algorithm.code, config.rate, config.period, config.capacity, uncapped, fresh.value),
+            key_head(config),
+            as_msgpack(algorithm.code, config.rate, config.period, config.capacity, 0, fresh.value),
+            as_msgpack(algorithm.code, config.rate, config.period, config.capacity, uncapped, fresh.value),
             fresh_ts,
         )
         if len(self._limits) >= _LIMITS_CACHE_SIZE:
@@ -462,9 +455,9 @@ class RedisBackend(ReadsFirst, AnalyticsKeys, KeyspaceListing, BaseBackend):
     def _request_argument(limit: _Limit, request: Request, key_index: int) -> bytes:
         fresh_ts = limit.fresh_ts
         if fresh_ts is None:  # the windows of this key
-            fresh_ts = _msgpack(limit.config.fresh_state(request.key.digest).ts)
+            fresh_ts = as_msgpack(limit.config.fresh_state(request.key.digest).ts)
         fields = limit.reserve if request.reserve else limit.plain
-        return _INDEX_AND_COUNT.pack(0xD3, key_index, 0xD3, request.count) + fields + fresh_ts
+        return INDEX_AND_COUNT.pack(0xD3, key_index, 0xD3, request.count) + fields + fresh_ts
 
     def _run(self, connection: _Connection, keys: list[str], argv: list[str | bytes], deadline: float | None) -> Any:
         client = connection.client
@@ -517,3 +510,17 @@ class RedisBackend(ReadsFirst, AnalyticsKeys, KeyspaceListing, BaseBackend):
 def _app_clock() -> bool:
     """Whether the script is sent this host's time (``TOKENBUCKET["CLOCK"] == "app"``)."""
     return bool(tokenbucket_settings.CLOCK == "app")
+
+
+def _refund_request(config: LimitConfig, key: EncodedKey, amount: int) -> Request:
+    """The decision script's request that gives ``amount`` micro-tokens back (``refund``):
+    a negative count, as a reservation, on the limit without its ``max_reserved``."""
+    return Request(replace(config, max_reserved=None), key, -amount, reserve=True)
+
+
+def _capped(config: LimitConfig, outcome: Outcome) -> Outcome:
+    """``outcome`` with a value above the capacity read as the capacity, as every read caps it."""
+    decision = outcome.decisions[0]
+    if decision.value > config.capacity:
+        decision = replace(decision, value=config.capacity, full_after=0)
+    return Outcome([decision], outcome.now)

@@ -40,7 +40,7 @@ from django_redis import get_redis_connection
 from django_redis.client import DefaultClient, HerdClient, SentinelClient
 from django_redis.pool import ConnectionFactory
 
-from .. import is_django_redis
+from ..aliases import is_django_redis
 from .connections import ClusterConnectionFactory
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "cache_primary",
     "decision_client",
     "filled_options",
+    "imported_option",
     "missing_cache_error",
     "not_django_redis_error",
     "rebuildable",
@@ -84,7 +85,9 @@ class CachePrimary(NamedTuple):
     factory: Any
 
 
-def _imported(options: Mapping[str, Any], option: str, default: str) -> Any:
+def imported_option(options: Mapping[str, Any], option: str, default: str) -> Any:
+    """Return ``options[option]`` (``default`` when unset), imported when it is a dotted
+    path, as django-redis reads its class options."""
     path = options.get(option, default)
     return import_string(path) if isinstance(path, str) else path
 
@@ -102,7 +105,7 @@ def cache_primary(alias: str, setting: str) -> CachePrimary:
     if not location:
         raise ImproperlyConfigured(f"CACHES[{alias!r}] has no LOCATION (the Redis server's URL)")
     servers = location.split(",") if isinstance(location, str) else list(location)
-    client_class = _imported(options, "CLIENT_CLASS", "django_redis.client.DefaultClient")
+    client_class = imported_option(options, "CLIENT_CLASS", "django_redis.client.DefaultClient")
     url = servers[0]
     if client_class is SentinelClient and isinstance(location, str):
         # As SentinelClient does: the first location is the service's master.

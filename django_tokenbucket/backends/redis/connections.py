@@ -16,7 +16,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .spares import give_back, lease
 
-__all__ = ["ClusterConnectionFactory", "after_fork_in_child", "packed_read", "run_on_link", "script_pool"]
+__all__ = [
+    "ClusterConnectionFactory",
+    "after_fork_in_child",
+    "may_have_run",
+    "packed_read",
+    "run_on_link",
+    "script_pool",
+    "single_server_pool",
+]
 
 
 class ClusterConnectionFactory(ConnectionFactory):  # type: ignore[misc]
@@ -71,8 +79,16 @@ def _client_retries(client: Any) -> bool:
     )
 
 
-def _may_have_run(client: Any, exc: BaseException) -> bool:
-    """Whether the script may have run although the call on ``client`` failed (see ``_script_may_have_run``)."""
+def may_have_run(client: Any, exc: BaseException) -> bool:
+    """Whether a command may have run although its call on ``client`` failed with ``exc``.
+
+    A call the backend made itself (``bounded``, ``run_on_link``) marks the exception with
+    whether the command was sent, and that decides. Otherwise: yes when the client sends
+    a command again on its own (an earlier attempt may have run it); no when Redis
+    answered with an error; yes when the connection failed or timed out once made, while
+    the reply was awaited (redis-py says "connecting" when none could be made: nothing
+    was sent).
+    """
     sent = getattr(exc, "tokenbucket_sent", None)
     if sent is not None:  # the backend made the call itself (``bounded``): it knows
         return bool(sent)
@@ -86,7 +102,7 @@ def _may_have_run(client: Any, exc: BaseException) -> bool:
 def script_pool(client: Any) -> Any:
     """The pool to run the decision script on directly (``run_on_link``), else None: a
     client of one server that never sends a command again on its own."""
-    pool = _single_server_pool(client)
+    pool = single_server_pool(client)
     return None if pool is None or _client_retries(client) else pool
 
 
@@ -96,7 +112,7 @@ def run_on_link(pool: Any, *command: Any) -> Any:
     What redis-py's ``execute_command`` does on a client without retries, without its
     per-call hooks (event dispatch, observability, the retry wrapper): about a tenth
     of a decision's time at the floor (issue 35, item 5). A failure says whether the
-    command was sent, as ``bounded`` does, for ``_may_have_run``.
+    command was sent, as ``bounded`` does, for ``may_have_run``.
     """
     try:
         link = lease(pool)
@@ -119,7 +135,7 @@ def run_on_link(pool: Any, *command: Any) -> Any:
         give_back(pool, link)
 
 
-def _single_server_pool(client: Any) -> Any:
+def single_server_pool(client: Any) -> Any:
     """The connection pool of a client of one server (Sentinel's included), else None."""
     if isinstance(client, (RedisCluster, AsyncRedisCluster)) or getattr(client, "connection", None) is not None:
         return None  # a cluster, or a client holding a single connection of its own

@@ -24,16 +24,20 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from ...keys import EncodedKey
 from ...limits import LimitConfig
 from ..base import BucketPage, Request, StoredBucket, checked_digests
-from .script import _parse_state, _text
+from .script import as_text, parse_state
 
 __all__ = [
     "MAX_RESET_BATCH",
     "SCAN_BUDGET",
     "SCAN_COUNT",
     "KeyspaceListing",
+    "check_one_slot",
     "cursor_carries_slot",
+    "key_head",
+    "node_clients",
     "scanned_fraction",
     "state_key",
+    "tagged_key",
 ]
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -46,10 +50,11 @@ def state_key(config: LimitConfig, key: EncodedKey) -> str:
     other name is replaced by ``~`` and its SHA-256, so keys stay short, free of
     braces, and distinct for distinct names. The hash tag is the key's digest.
     """
-    return _state_key(_key_head(config), key)
+    return tagged_key(key_head(config), key)
 
 
-def _key_head(config: LimitConfig) -> str:
+def key_head(config: LimitConfig) -> str:
+    """Return the start of ``config``'s state keys, up to the hash tag (``tokenbucket:<name>:``)."""
     return _name_head(config.name)
 
 
@@ -59,7 +64,8 @@ def _name_head(name: str) -> str:
     return f"tokenbucket:{name}:"
 
 
-def _state_key(head: str, key: EncodedKey) -> str:
+def tagged_key(head: str, key: EncodedKey) -> str:
+    """Return ``head`` followed by ``key``'s digest, its first 16 hex digits the hash tag."""
     digest = key.digest
     return f"{head}{{{digest[:16]}}}{digest[16:]}"
 
@@ -136,7 +142,7 @@ def _digest_of(inner: str) -> str | None:
     return match.group(1) + match.group(2) if match else None
 
 
-def _node_clients(client: Any) -> list[Any]:
+def node_clients(client: Any) -> list[Any]:
     """Return a client per primary: the client itself, or each primary of a cluster (by name)."""
     if not isinstance(client, RedisCluster):
         return [client]
@@ -222,7 +228,7 @@ def _scan_node(node: Any, pattern: str) -> Iterator[str]:
     scan_cursor = 0
     while True:
         scan_cursor, keys = node.scan(cursor=scan_cursor, match=pattern, count=SCAN_COUNT)
-        yield from (_text(key) for key in keys)
+        yield from (as_text(key) for key in keys)
         if int(scan_cursor) == 0:
             return
 
@@ -272,10 +278,10 @@ class KeyspaceListing:
             raise ValueError(f"rate limit {config.name!r}: a digest prefix is lowercase hex, not {digest_prefix!r}")
         try:
             connection = self._connect()
-            outer = self._key_pattern(connection, _key_head(config))
-            nodes = _node_clients(connection.client)
+            outer = self._key_pattern(connection, key_head(config))
+            nodes = node_clients(connection.client)
             if len(digest_prefix) == 64:
-                key = outer.key(_state_key("", EncodedKey(digest_prefix, "")))
+                key = outer.key(tagged_key("", EncodedKey(digest_prefix, "")))
                 keys = [key]
                 values = self._values(connection.client, keys)
                 return BucketPage(self._buckets(outer, keys, values), None, self.store_now())
@@ -291,7 +297,7 @@ class KeyspaceListing:
                 reply_cursor, keys = nodes[node_index].scan(cursor=scan_cursor, match=pattern, count=count)
                 scan_cursor = int(reply_cursor)
                 before = len(found)
-                found.update(dict.fromkeys(_text(key) for key in keys))
+                found.update(dict.fromkeys(as_text(key) for key in keys))
                 found_here += len(found) - before
                 looked += count
                 if scan_cursor == 0:
@@ -328,7 +334,7 @@ class KeyspaceListing:
         whole keyspace, for the command rather than for a page view."""
         try:
             connection = self._connect()
-            heads = {_key_head(config)[len("tokenbucket:") :]: config.name for config in configs}
+            heads = {key_head(config)[len("tokenbucket:") :]: config.name for config in configs}
             outer = self._key_pattern(connection, "tokenbucket:")
             seen: dict[str, set[str]] = {name: set() for name in heads.values()}
             for key in self._scan_all(connection.client, outer.pattern("*")):
@@ -350,7 +356,7 @@ class KeyspaceListing:
         try:
             connection = self._connect()
             outer = self._key_pattern(connection, _name_head(name))
-            keys = [outer.key(_state_key("", EncodedKey(digest, ""))) for digest in checked]
+            keys = [outer.key(tagged_key("", EncodedKey(digest, ""))) for digest in checked]
             return _unlink(connection.client, keys, isinstance(connection.client, RedisCluster))
         except (RedisError, RedisClusterException, OSError) as exc:
             raise self._failed(exc) from exc
@@ -364,9 +370,9 @@ class KeyspaceListing:
         deleted = 0
         try:
             connection = self._connect()
-            pattern = self._key_pattern(connection, _key_head(config)).pattern(_digest_glob(""))
+            pattern = self._key_pattern(connection, key_head(config)).pattern(_digest_glob(""))
             cluster = isinstance(connection.client, RedisCluster)
-            for node in _node_clients(connection.client):
+            for node in node_clients(connection.client):
                 batch: list[str] = []
                 for key in _scan_node(node, pattern):
                     batch.append(key)
@@ -391,7 +397,7 @@ class KeyspaceListing:
         return _KeyPattern(before, after)
 
     def _scan_all(self, client: Any, pattern: str) -> Iterator[str]:
-        for node in _node_clients(client):
+        for node in node_clients(client):
             yield from _scan_node(node, pattern)
 
     @staticmethod
@@ -413,14 +419,15 @@ class KeyspaceListing:
             if raw is None or isinstance(raw, Exception):  # expired (full again) since SCAN saw it
                 continue
             digest = _digest_of(outer.inner(key) or "")
-            state = _parse_state(raw)
+            state = parse_state(raw)
             if digest is not None and state is not None:
                 buckets.append(StoredBucket(digest, "", state))
         return sorted(buckets, key=lambda bucket: bucket.digest)
 
 
-def _check_slots(client: Any, keys: list[str], requests: Sequence[Request]) -> None:
-    """Refuse limits decided together on a cluster whose keys lie in different slots."""
+def check_one_slot(client: Any, keys: list[str], requests: Sequence[Request]) -> None:
+    """Refuse (``ImproperlyConfigured``) limits decided together on a cluster whose keys
+    lie in different slots: one script cannot touch them all atomically."""
     if len(keys) < 2 or not isinstance(client, (RedisCluster, AsyncRedisCluster)):
         return
     cluster: Any = client

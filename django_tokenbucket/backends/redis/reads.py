@@ -22,7 +22,7 @@ from ... import clock
 from ..base import Outcome, Request
 from .bounded import aread, single_execute
 from .connections import packed_read
-from .script import _decision, _make_outcome, _microseconds, _parse_state
+from .script import fast_decision, fast_outcome, parse_state, time_microseconds
 from .spares import give_back, lease
 
 __all__ = ["ReadsFirst"]
@@ -62,7 +62,7 @@ class ReadsFirst:
 
     def _read_outcome(self, request: Request, raw: Any, now: int, *, apply: bool) -> Outcome | None:
         """Decide ``request`` from the stored ``raw`` at ``now``; None when the script must."""
-        state = None if raw is None else _parse_state(raw)
+        state = None if raw is None else parse_state(raw)
         if raw is not None and state is None:
             return None  # unreadable: the script says so
         config = request.config
@@ -73,8 +73,8 @@ class ReadsFirst:
             return None
         self.reads["decided"] += 1
         if decision.state is not None:  # a check's: the script's decisions carry none
-            decision = _decision(decision.allowed, decision.value, decision.retry_after, decision.full_after)
-        outcome: Outcome = self._learned(_make_outcome([decision], now), [request], apply)
+            decision = fast_decision(decision.allowed, decision.value, decision.retry_after, decision.full_after)
+        outcome: Outcome = self._learned(fast_outcome([decision], now), [request], apply)
         return outcome
 
     def _read(self, connection: Any, request: Request, *, apply: bool, deadline: float | None = None) -> Outcome | None:
@@ -89,7 +89,7 @@ class ReadsFirst:
                 return None
             except (RedisError, OSError) as exc:
                 raise self._failed(exc) from exc  # a read changed nothing: not ambiguous
-            now = _microseconds(replies[1]) if now is None else now
+            now = time_microseconds(replies[1]) if now is None else now
             return self._read_outcome(request, replies[0], now, apply=apply)
         try:
             link = lease(pool)
@@ -99,7 +99,7 @@ class ReadsFirst:
             link.send_packed_command(packed_read(commands) or link.pack_commands(commands))
             raw = link.read_response()
             if now is None:
-                now = _microseconds(link.read_response())
+                now = time_microseconds(link.read_response())
         except ResponseError:
             link.disconnect()  # the other reply may be unread
             return None
@@ -126,5 +126,5 @@ class ReadsFirst:
             raise self._failed(exc) from exc  # a read changed nothing: not ambiguous
         if replies is None:
             return None
-        now = _microseconds(replies[1]) if now is None else now
+        now = time_microseconds(replies[1]) if now is None else now
         return self._read_outcome(request, replies[0], now, apply=apply)

@@ -2,23 +2,38 @@
 
 ``lua/decide.lua`` is the Redis port of ``algorithms``; its numbers
 travel as MessagePack, packed here once per limit and per call, and its replies are
-read back into the ``Decision`` and ``Outcome`` the reference returns.
+read back into the ``Decision`` and ``Outcome`` the reference returns. So are the
+values it stores (``parse_state``) and Redis' ``TIME``, which the backend's reads first
+decide from without the script.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import replace
 from importlib import resources
 from typing import Any
 
 from ...algorithms import CLOCK_SKEW_TOLERANCE, Decision, State
-from ...keys import EncodedKey
-from ...limits import LimitConfig
-from ..base import BackendError, Outcome, Request
+from ..base import BackendError, Outcome
 
-__all__ = ["BIGNUM_MARKER", "MAX_TTL_MS", "MIN_TTL_MS", "SCRIPT", "SCRIPT_SHA"]
+__all__ = [
+    "BIGNUM_MARKER",
+    "HEADERS",
+    "INDEX_AND_COUNT",
+    "MAX_TTL_MS",
+    "MIN_TTL_MS",
+    "PINNED_HEADERS",
+    "SCRIPT",
+    "SCRIPT_SHA",
+    "as_msgpack",
+    "as_text",
+    "fast_decision",
+    "fast_outcome",
+    "parse_state",
+    "reply_outcome",
+    "time_microseconds",
+]
 
 #: The line of decide.lua that bignum.lua replaces.
 BIGNUM_MARKER = "--[[ bignum.lua ]]"
@@ -66,11 +81,14 @@ _NIL = b"\xc0"
 
 
 #: A request's key index and count, the part of its argument that varies per call.
-_INDEX_AND_COUNT = struct.Struct(">BqBq")
+INDEX_AND_COUNT = struct.Struct(">BqBq")
 
 
-def _msgpack(*numbers: int | str | None) -> bytes:
-    """Return ``numbers`` as a MessagePack stream, which the script reads with cmsgpack.unpack."""
+def as_msgpack(*numbers: int | str | None) -> bytes:
+    """Return ``numbers`` as a MessagePack stream, which the script reads with cmsgpack.unpack.
+
+    Each number is an int64, a short ASCII string (a kind's code) or None (nil).
+    """
     return b"".join(_NIL if n is None else _packed(n) for n in numbers)
 
 
@@ -83,18 +101,19 @@ def _packed(value: int | str) -> bytes:
 
 
 def _header(apply: bool, min_ttl_ms: int) -> bytes:
-    return _msgpack(int(apply), min_ttl_ms, MAX_TTL_MS, CLOCK_SKEW_TOLERANCE)
+    return as_msgpack(int(apply), min_ttl_ms, MAX_TTL_MS, CLOCK_SKEW_TOLERANCE)
 
 
 #: The script's second argument (apply, TTL bounds, clock-skew tolerance), indexed by
-#: ``apply``, with the real clock and with a pinned test clock.
-_HEADERS = (_header(False, MIN_TTL_MS), _header(True, MIN_TTL_MS))
+#: ``apply``: with the real clock...
+HEADERS = (_header(False, MIN_TTL_MS), _header(True, MIN_TTL_MS))
 
 
-_PINNED_HEADERS = (_header(False, PINNED_CLOCK_MIN_TTL_MS), _header(True, PINNED_CLOCK_MIN_TTL_MS))
+#: ...and with a pinned test clock.
+PINNED_HEADERS = (_header(False, PINNED_CLOCK_MIN_TTL_MS), _header(True, PINNED_CLOCK_MIN_TTL_MS))
 
 
-def _decision(allowed: bool, value: int, retry_after: int | None, full_after: int) -> Decision:
+def fast_decision(allowed: bool, value: int, retry_after: int | None, full_after: int) -> Decision:
     """Return ``Decision(allowed, value, retry_after, full_after, None)``, only faster.
 
     A frozen dataclass's __init__ sets each field through ``object.__setattr__``; every
@@ -106,26 +125,16 @@ def _decision(allowed: bool, value: int, retry_after: int | None, full_after: in
     return decision
 
 
-def _make_outcome(decisions: list[Decision], now: int) -> Outcome:
-    """Return ``Outcome(decisions, now)``, as ``_decision`` makes a Decision."""
+def fast_outcome(decisions: list[Decision], now: int) -> Outcome:
+    """Return ``Outcome(decisions, now)``, as ``fast_decision`` makes a Decision."""
     outcome: Outcome = object.__new__(Outcome)
     outcome.__dict__.update(decisions=decisions, now=now)
     return outcome
 
 
-def _refund_request(config: LimitConfig, key: EncodedKey, amount: int) -> Request:
-    return Request(replace(config, max_reserved=None), key, -amount, reserve=True)
-
-
-def _capped(config: LimitConfig, outcome: Outcome) -> Outcome:
-    decision = outcome.decisions[0]
-    if decision.value > config.capacity:
-        decision = replace(decision, value=config.capacity, full_after=0)
-    return Outcome([decision], outcome.now)
-
-
-def _parse_state(raw: Any) -> State | None:
-    parts = _text(raw).split(" ")
+def parse_state(raw: Any) -> State | None:
+    """Read a stored value, ``"<value> <ts>"`` (bytes or str); None when it is not one."""
+    parts = as_text(raw).split(" ")
     if len(parts) != 2:
         return None
     try:
@@ -134,24 +143,29 @@ def _parse_state(raw: Any) -> State | None:
         return None
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """Return a reply (bytes, or str from a client made with decode_responses) as str.
+
+    Bytes that are not UTF-8 are kept as lone surrogates (``surrogateescape``), not refused.
+    """
     return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
 
 
-def _microseconds(time_reply: Any) -> int:
+def time_microseconds(time_reply: Any) -> int:
     """Return Redis' ``TIME`` reply (seconds, microseconds) in microseconds."""
     seconds, micros = time_reply
     return int(seconds) * 1_000_000 + int(micros)
 
 
-def _reply_outcome(reply: Any, count: int) -> Outcome:
-    """Read the script's reply. Its decisions carry no state to store: the script stored it."""
+def reply_outcome(reply: Any, count: int) -> Outcome:
+    """Read the script's reply to a call of ``count`` requests (``BackendError`` if it is
+    not one). Its decisions carry no state to store: the script stored it."""
     if type(reply) is list and len(reply) == 5 and count == 1:
         # The common path's integers: now, allowed, value, retry_after (0 for None:
         # there is one only when denied or in debt), full_after.
         now, allowed, value, retry_after, full_after = reply
         retry = retry_after if allowed == 0 or value < 0 else None
-        return _make_outcome([_decision(allowed == 1, value, retry, full_after)], now)
+        return fast_outcome([fast_decision(allowed == 1, value, retry, full_after)], now)
     if isinstance(reply, bytes):
         fields: list[Any] = reply.split(b" ")
         yes: Any = b"1"
@@ -164,7 +178,7 @@ def _reply_outcome(reply: Any, count: int) -> Outcome:
         raise BackendError(f"unexpected reply from the decision script: {reply!r}")
     # int() reads bytes as well as str: no decoding.
     decisions = [
-        _decision(
+        fast_decision(
             fields[i] == yes,
             int(fields[i + 1]),
             None if fields[i + 2] == dash else int(fields[i + 2]),
@@ -172,4 +186,4 @@ def _reply_outcome(reply: Any, count: int) -> Outcome:
         )
         for i in range(1, len(fields), _FIELDS)
     ]
-    return _make_outcome(decisions, int(fields[0]))
+    return fast_outcome(decisions, int(fields[0]))

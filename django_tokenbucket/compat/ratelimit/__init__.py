@@ -15,14 +15,11 @@ decision of the limiter, atomic in the database (or Redis), so concurrent reques
 never overshoot. The differences, each deliberate, are listed in docs/migrating.md.
 """
 
+from .methods import ALL, UNSAFE
+
 #: The django-ratelimit release whose API this stands in for, so that code comparing
 #: ``django_ratelimit.VERSION`` keeps its answer after the swap.
 VERSION = (4, 1, 0)
 __version__ = ".".join(map(str, VERSION))
-
-#: Every HTTP method (a sentinel, as in django-ratelimit).
-ALL = (None,)
-#: The methods that change something.
-UNSAFE = ["DELETE", "PATCH", "POST", "PUT"]
 
 __all__ = ["ALL", "UNSAFE", "VERSION"]

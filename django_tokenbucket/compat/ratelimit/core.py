@@ -38,7 +38,8 @@ from ...logs import current_request
 from ...request_keys import canonical_spec, header_name, normalize_identity, posted_field, user_pk_from_text
 from ...settings import tokenbucket_settings
 from ...status import Status
-from . import ALL, UNSAFE, stores
+from . import stores
+from .methods import ALL, UNSAFE
 
 __all__ = ["get_usage", "is_ratelimited"]
 
@@ -240,8 +241,9 @@ def _method_match(request: HttpRequest, method: Any = ALL) -> bool:
     return request.method in methods
 
 
-def _group_of(fn: Any) -> str:
-    """Return django-ratelimit's default group: the view's module and qualified name."""
+def group_of(fn: Any) -> str:
+    """Return django-ratelimit's default group of the view ``fn``: its module and qualified
+    name (those of the function a ``functools.partial`` wraps)."""
     if isinstance(fn, functools.partial):
         fn = fn.func
     parts = []
@@ -327,11 +329,11 @@ def _redis_backend(alias: str) -> BaseBackend:
 
 # -- the decision --------------------------------------------------------------------------
 
-# The limiter's status of the last decision in this context: get_usage() returns
-# django-ratelimit's dict, and the decorator, which goes through the patchable
-# is_ratelimited() as django-ratelimit's does, still raises Ratelimited with the limit's
-# name and Retry-After.
-_last_status: contextvars.ContextVar[Status | None] = contextvars.ContextVar("_last_status", default=None)
+#: The limiter's status of the last decision in this context (set by ``get_usage``):
+#: get_usage() returns django-ratelimit's dict, and the decorator, which goes through the
+#: patchable is_ratelimited() as django-ratelimit's does, reads the status here to raise
+#: Ratelimited with the limit's name and Retry-After.
+last_status: contextvars.ContextVar[Status | None] = contextvars.ContextVar("_last_status", default=None)
 
 
 def _decide(
@@ -345,7 +347,7 @@ def _decide(
     if not _method_match(request, method):
         return None
     if group is None:
-        group = _group_of(fn)
+        group = group_of(fn)
     registry.record_compat_group(group)
     if callable(rate):
         rate = rate(group, request)
@@ -413,7 +415,7 @@ def get_usage(
     ``should_limit`` says whether it would be limited if it were counted.
     """
     decided = _decide(request, group, fn, key, rate, method, increment)
-    _last_status.set(None if decided is None else decided[1])
+    last_status.set(None if decided is None else decided[1])
     return None if decided is None else decided[0]
 
 

@@ -14,9 +14,9 @@ from django.utils.module_loading import import_string
 from ... import registry
 from ...exceptions import RateLimited
 from ...request_keys import note_view_key
-from . import ALL, UNSAFE
-from .core import _group_of, _last_status, is_ratelimited
+from .core import group_of, is_ratelimited, last_status
 from .exceptions import Ratelimited
+from .methods import ALL, UNSAFE
 
 __all__ = ["ratelimit"]
 
@@ -42,21 +42,21 @@ def ratelimit(
         # an operator types for this group's limits as django-ratelimit's. (A function
         # made by exec() has no module to name its group by; its first request does.)
         if group is not None or isinstance(getattr(fn, "__module__", None), str):
-            registry.record_compat_group(group if group is not None else _group_of(fn))
+            registry.record_compat_group(group if group is not None else group_of(fn))
         note_view_key(f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}", key)  # for W005
 
         def limited(request: HttpRequest) -> bool:
             old_limited = getattr(request, "limited", False)
-            token = _last_status.set(None)
+            token = last_status.set(None)
             try:
                 # Looked up in this module at each call, as django-ratelimit's decorator does,
                 # so that mock.patch("...decorators.is_ratelimited") decides for it.
                 over = is_ratelimited(
                     request=request, group=group, fn=fn, key=key, rate=rate, method=method, increment=True
                 )
-                status = _last_status.get()
+                status = last_status.get()
             finally:
-                _last_status.reset(token)
+                last_status.reset(token)
             request.limited = over or old_limited  # type: ignore[attr-defined]
             if over and block:
                 raise _exception(status)
