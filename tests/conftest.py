@@ -94,6 +94,9 @@ REDIS_CASES_MODULES = frozenset(
         "test_acquire",
         "test_analytics",
         "test_analytics_store",
+        "test_attacks_keys",
+        "test_attacks_login_and_leaks",
+        "test_attacks_request_data",
         "test_compat_ratelimit",
         "test_concurrency",
         "test_conformance",
@@ -103,9 +106,6 @@ REDIS_CASES_MODULES = frozenset(
         "test_overrides",
         "test_overrides_integrations",
         "test_plans",
-        "test_red_team",
-        "test_red_team_2",
-        "test_red_team_3_keys",
         "test_refund",
     }
 )
