@@ -74,6 +74,7 @@ DB_INDEPENDENT_MODULES = frozenset(
         "test_redis_asyncio",
         "test_redis_deadline",
         "test_shards",
+        "test_test_map",
     }
 )
 
