@@ -74,6 +74,7 @@ DB_INDEPENDENT_MODULES = frozenset(
         "test_redis_asyncio",
         "test_redis_deadline",
         "test_shards",
+        "test_test_map",
     }
 )
 
@@ -94,6 +95,9 @@ REDIS_CASES_MODULES = frozenset(
         "test_acquire",
         "test_analytics",
         "test_analytics_store",
+        "test_attacks_keys",
+        "test_attacks_login_and_leaks",
+        "test_attacks_request_data",
         "test_compat_ratelimit",
         "test_concurrency",
         "test_conformance",
@@ -103,9 +107,6 @@ REDIS_CASES_MODULES = frozenset(
         "test_overrides",
         "test_overrides_integrations",
         "test_plans",
-        "test_red_team",
-        "test_red_team_2",
-        "test_red_team_3_keys",
         "test_refund",
     }
 )

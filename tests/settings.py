@@ -182,7 +182,7 @@ TOKENBUCKET = {
         # tests/celery_tasks.py's RateLimitedTask (20 a second, one global budget).
         "celery_tasks": {"kind": "token bucket", "rate": 20, "period": 1, "capacity": 5, "max_reserved": 1000},
         "login": "5/m",
-        "login_ip": "3/m",  # the per-address half of a login limit (test_red_team.py)
+        "login_ip": "3/m",  # the per-address half of a login limit (test_attacks_login_and_leaks.py)
     },
 }
 

@@ -3,6 +3,7 @@
 Every expected number below is worked out by hand from the documented semantics, not
 copied from the implementation. Units: amounts in micro-tokens, times in microseconds.
 The properties these examples illustrate are checked in general in test_properties.py.
+Last, integer micro-tokens against float seconds over 10^5 requests (RELIABILITY-PLAN K7).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from django_tokenbucket.algorithms import (
     fresh_token_bucket,
     token_bucket,
 )
+from django_tokenbucket.limits import parse_limit
 
 M = MICRO
 #: A moment in 2023, in microseconds since the epoch.
@@ -501,3 +503,42 @@ def test_clock_back_no_lockout_examples() -> None:
     denied = fixed_window(State(0, W), W - 7 * 86_400 * M + 2 * M, M, **FW)
     assert not denied.allowed and denied.retry_after == 8 * M
     assert fixed_window(denied.state, W - 7 * 86_400 * M + 10 * M, M, **FW).allowed
+
+
+# ---------------------------------------------------------------------------------------
+# K7: precision
+# ---------------------------------------------------------------------------------------
+
+
+def figure(line: str) -> None:
+    print(f"\n{line}")
+
+
+T0 = T / MICRO  # seconds, for the float control
+K7_REQUESTS = 100_000  # 10^6 takes about 6 s of pure Python; the arithmetic is the same
+
+
+def test_k7_integer_micro_tokens_do_not_drift():
+    limit = parse_limit("k7", {"rate": 1000, "period": 1, "capacity": 1})  # a token every 1 ms
+    digest = "0" * 64
+    state, now, admitted = None, int(T0) * MICRO, 0
+    for _ in range(K7_REQUESTS):
+        now += 1000  # exactly 1 ms
+        decision = limit.decide(state, now, MICRO, digest)
+        if decision.allowed:
+            admitted += 1
+            state = decision.state
+    assert admitted == K7_REQUESTS
+
+    # Negative control: the same bucket in float seconds loses requests to rounding.
+    tokens, ts, now_s, float_admitted = 1.0, T0, T0, 0
+    for _ in range(K7_REQUESTS):
+        now_s += 0.001
+        tokens, ts = min(1.0, tokens + (now_s - ts) * 1000.0), now_s
+        if tokens >= 1.0:
+            tokens -= 1.0
+            float_admitted += 1
+    assert float_admitted < K7_REQUESTS
+    figure(
+        f"K7: {K7_REQUESTS} requests 1 ms apart at r=1000/s, C=1: admitted {admitted} (integer µs), {float_admitted} (float seconds)"
+    )

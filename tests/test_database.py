@@ -1,9 +1,13 @@
-"""What only the database backend does: transactions, locking, its clock, failures."""
+"""What only the database backend does: transactions, locking, its clock, failures, and
+decisions that time zones and DST leave alone (RELIABILITY-PLAN K6). Its portable path
+under faults is tests/test_database_faults.py."""
 
 from __future__ import annotations
 
 import logging
+import random
 from collections import Counter
+from datetime import UTC, datetime
 
 import pytest
 from django.conf import settings
@@ -13,6 +17,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_tokenbucket import BackendUnavailable, limiter
 from django_tokenbucket.backends.database import retrying
+from django_tokenbucket.keys import encode_key
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
 
@@ -177,3 +182,50 @@ def test_one_retry_policy_runs_a_collided_transaction_again_and_gives_up_after_r
         assert (len(runs), dict(retried), dict(gave_up)) == (1, {"40001": 1}, {"40001": 1})
     finally:
         connections["serializable"].close()
+
+
+# ---------------------------------------------------------------------------------------
+# K6: time zones and DST
+# ---------------------------------------------------------------------------------------
+
+
+def stored(name: str, key: object) -> tuple[int, int] | None:
+    row = RateLimit.objects.filter(name=name, key=encode_key(key).digest).values_list("value", "ts").first()
+    return None if row is None else tuple(row)
+
+
+def figure(line: str) -> None:
+    print(f"\n{line}")
+
+
+# 2026-11-01 01:00-02:00 happens twice in America/New_York (05:00-07:00 UTC).
+DST_START = datetime(2026, 11, 1, 4, 50, tzinfo=UTC).timestamp()
+
+
+def test_k6_time_zones_and_dst_change_no_decision():
+    rng = random.Random(6)
+    steps = [rng.choice([1, 7, 60, 240, 600]) for _ in range(60)]  # crosses 05:00-07:00 UTC
+    limits = {
+        "k6-bucket": {"rate": 3, "period": 3600, "capacity": 3},
+        "k6-window": {"kind": "fixed window", "rate": 3, "period": 3600, "start": 0},
+    }
+    runs = {}
+    for run, (zone, use_tz) in enumerate([("UTC", True), ("America/New_York", True), ("America/New_York", False)]):
+        with override_settings(TIME_ZONE=zone, USE_TZ=use_tz), frozen_clock(DST_START) as clock:
+            decisions = []
+            for dt in steps:
+                clock.advance(dt)
+                for name, config in limits.items():
+                    status = limiter.limit(name, f"run{run}", config=config)
+                    decisions.append((name, status.ok, status.value, status.retry_after, status.reset_after))
+            for name in limits:
+                _value, ts = stored(name, f"run{run}")
+                assert isinstance(ts, int)
+            runs[(zone, use_tz)] = decisions
+    # The trace did cross the whole repeated hour (it ends after 07:00 UTC).
+    assert DST_START + sum(steps) > datetime(2026, 11, 1, 7, 0, tzinfo=UTC).timestamp()
+    reference = runs[("UTC", True)]
+    assert {ok for _, ok, _, _, _ in reference} == {True, False}  # both outcomes are compared
+    diffs = {run: sum(a != b for a, b in zip(decisions, reference, strict=True)) for run, decisions in runs.items()}
+    assert set(diffs.values()) == {0}, diffs
+    figure(f"K6 {settings.DB}: {len(reference)} decisions across the 2026-11-01 repeated hour, diffs vs UTC {diffs}")

@@ -1,23 +1,36 @@
-"""``@ratelimit`` through Django's test clients, against the real database."""
+"""``@ratelimit`` through Django's test clients, against the real database; the RateLimit
+headers' syntax under hostile limit names and what they disclose (RELIABILITY-PLAN R2,
+S8), and what requests refused with 401 or 403 cost."""
 
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
+from django.http import HttpResponseForbidden
 from django.test import override_settings
 from django.views import View
+from rest_framework.authentication import BaseAuthentication
+from rest_framework.exceptions import AuthenticationFailed
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from django_tokenbucket import limiter
+from django_tokenbucket.algorithms import MICRO
 from django_tokenbucket.backends import get_backend
 from django_tokenbucket.decorators import declared_limits, ratelimit
+from django_tokenbucket.http import ratelimit_headers
 from django_tokenbucket.models import RateLimit
 from django_tokenbucket.testing import frozen_clock
+from django_tokenbucket.throttling import AnonRateThrottle
 
 from .settings import TOKENBUCKET as BASE_SETTINGS
 
@@ -569,3 +582,99 @@ def test_a_global_limit_is_not_pointed_out(client, caplog, settings):
         for _ in range(3):
             client.get("/global-budget/")
     assert not [r for r in caplog.records if "key=None" in r.getMessage()]
+
+
+# ---------------------------------------------------------------------------------------
+# R2: hostile limit names in the RateLimit headers
+# ---------------------------------------------------------------------------------------
+
+
+def figure(line: str) -> None:
+    print(f"\n{line}")
+
+
+_SF_STRING = r'"(?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*"'
+_SF_PARAMS = r"(?:;[a-z*][a-z0-9_.*-]*=-?\d{1,15})*"
+_SF_LIST = re.compile(rf"{_SF_STRING}{_SF_PARAMS}(?:[ \t]*,[ \t]*{_SF_STRING}{_SF_PARAMS})*")
+
+
+def parse_sf_list(value: str) -> list[tuple[str, dict[str, int]]]:
+    """Parse an RFC 9651 list of sf-string items with integer parameters; raise on anything else."""
+    assert value.isascii() and _SF_LIST.fullmatch(value), value
+    members = []
+    for match in re.finditer(rf"({_SF_STRING})({_SF_PARAMS})", value):
+        name = re.sub(r'\\(["\\])', r"\1", match.group(1)[1:-1])
+        params = {k: int(v) for k, v in re.findall(r";([a-z*][a-z0-9_.*-]*)=(-?\d+)", match.group(2))}
+        members.append((name, params))
+    return members
+
+
+HOSTILE_NAMES = ['a"b', "back\\slash", 'x";q=999', 'y", "z";r=99', "semi;colon,comma", "é-limit", "名前", "\\"]
+
+
+def test_r2_hostile_names_give_parseable_headers():
+    with frozen_clock(T0):
+        statuses = [limiter.limit(name, "k", count=2, config={"rate": 5, "period": 60}) for name in HOSTILE_NAMES]
+    headers = ratelimit_headers(statuses)
+    response = HttpResponse()
+    for header, value in headers.items():
+        response[header] = value  # no BadHeaderError
+    policies = parse_sf_list(headers["RateLimit-Policy"])
+    limits = parse_sf_list(headers["RateLimit"])
+    assert len(policies) == len(limits) == len(HOSTILE_NAMES)  # nothing injected a member
+    for (name, policy), (_, current), original in zip(policies, limits, HOSTILE_NAMES, strict=True):
+        assert policy == {"q": 5, "w": 60} and current == {"r": 3, "t": 24}
+        if original.isascii():
+            assert name == original  # ASCII names round-trip exactly
+    figure(f"R2 {settings.DB}: {len(HOSTILE_NAMES)} hostile names, header parse failures 0, injected members 0")
+
+
+# ---------------------------------------------------------------------------------------
+# S8: no global capacity in the headers
+# ---------------------------------------------------------------------------------------
+
+
+def test_s8_a_global_limit_is_not_disclosed_in_the_headers():
+    with frozen_clock(T0):
+        per_client = limiter.limit("s8-client", "203.0.113.9", config={"rate": 5, "period": 60})
+        service_wide = limiter.limit("s8-global", None, config={"rate": 100000, "period": 60})
+    assert ratelimit_headers([service_wide]) == {}
+    headers = ratelimit_headers([per_client, service_wide])
+    assert [name for name, _ in parse_sf_list(headers["RateLimit-Policy"])] == ["s8-client"]
+    assert "100000" not in "".join(headers.values())
+
+
+class _GuessableAuthentication(BaseAuthentication):
+    """Rejects every credential it is given, as a wrong API token would be."""
+
+    def authenticate(self, request):
+        if request.META.get("HTTP_AUTHORIZATION"):
+            raise AuthenticationFailed("bad credentials")
+        return None
+
+
+class _MembersOnly(APIView):
+    authentication_classes = [_GuessableAuthentication]
+    permission_classes = [IsAuthenticated]
+    throttle_classes = [AnonRateThrottle]
+
+    def get(self, request):
+        return Response({})
+
+
+@ratelimit("s8-forbidden", key="ip", rate="5/m")
+def _forbidden(request):
+    return HttpResponseForbidden()
+
+
+def test_s8_what_requests_refused_with_401_or_403_cost():
+    """DRF authenticates and checks permissions before it throttles, so its throttles never
+    see a refused request; ``@ratelimit`` decides before the view runs, so it counts them."""
+    factory = RequestFactory()
+    with frozen_clock(T0):
+        for headers in ({}, {"HTTP_AUTHORIZATION": "Token guess"}, {"HTTP_AUTHORIZATION": "Token guess-2"}):
+            assert _MembersOnly.as_view()(factory.get("/members/", **headers)).status_code in (401, 403)
+        assert not RateLimit.objects.filter(name="anon").exists()  # no token spent, no row
+        for _ in range(2):
+            assert _forbidden(factory.get("/forbidden/")).status_code == 403
+        assert list(RateLimit.objects.filter(name="s8-forbidden").values_list("value", flat=True)) == [3 * MICRO]

@@ -699,7 +699,7 @@ def waiting_for_a_lock() -> bool:
 
 
 # ---------------------------------------------------------------------------------------
-# Faults on the fast path (the portable path's are in test_reliability.py)
+# Faults on the fast path (the portable path's are in test_database_faults.py)
 # ---------------------------------------------------------------------------------------
 
 SIDE = "serializable"  # a second connection to the test database

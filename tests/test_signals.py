@@ -1,8 +1,10 @@
-"""Signals fire exactly once per decision; store-failure warnings are rate-limited."""
+"""Signals fire exactly once per decision; store-failure warnings are rate-limited; shadow
+mode denies nothing and signals what enforcement would deny (RELIABILITY-PLAN H8)."""
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -193,3 +195,47 @@ def test_log_interval_is_a_known_setting():
     assert DEFAULTS["LOG_INTERVAL"] == 10
     with override_settings(TOKENBUCKET={**BASE_SETTINGS, "LOG_INTERVAL": 30}):
         assert [m.id for m in check_settings()] == []
+
+
+# ---------------------------------------------------------------------------------------
+# H8: shadow mode replays a trace with the enforced run's denials as would-deny
+# ---------------------------------------------------------------------------------------
+
+
+def figure(line: str) -> None:
+    print(f"\n{line}")
+
+
+def test_h8_shadow_mode_would_deny_equals_enforced_denials():
+    rng = random.Random(8)
+    trace = [(rng.choice([0, 0, 0.5, 1, 2, 6, 13]), rng.randint(1, 3)) for _ in range(120)]
+    config = {"rate": 10, "period": 60, "capacity": 5}
+    denied_signals = {"enforced": 0, "shadow": 0}
+
+    def count(sender, name, shadow, **kwargs):
+        denied_signals["shadow" if shadow else "enforced"] += 1
+
+    def replay(name: str, spec: dict) -> list[tuple[bool, bool, float]]:
+        outcomes = []
+        with frozen_clock(T0) as clock:
+            for dt, n in trace:
+                clock.advance(dt)
+                status = limiter.limit(name, "k", count=n, config=spec)
+                outcomes.append((status.ok, status.would_deny, status.value))
+        return outcomes
+
+    signals.rate_limit_denied.connect(count)
+    try:
+        enforced = replay("h8-enforced", config)
+        shadow = replay("h8-shadow", {**config, "shadow": True})
+    finally:
+        signals.rate_limit_denied.disconnect(count)
+    denied = [i for i, (ok, _, _) in enumerate(enforced) if not ok]
+    would_deny = [i for i, (_, would, _) in enumerate(shadow) if would]
+    assert all(ok for ok, _, _ in shadow)  # shadow mode never denies
+    assert denied and would_deny == denied
+    assert [v for _, _, v in shadow] == [v for _, _, v in enforced]  # and keeps the same state
+    assert denied_signals == {"enforced": len(denied), "shadow": len(denied)}
+    figure(
+        f"H8 {settings.DB}: {len(trace)} requests, enforced denied {len(denied)}, shadow would_deny {len(would_deny)}, shadow denied 0"
+    )

@@ -1,4 +1,5 @@
-"""The red-team cases of docs/security.md, each as an attacker would try it.
+"""Attacks on a login and on what responses leak (docs/security.md, "Red-team cases"),
+each as an attacker would try it: through ``@ratelimit`` and the DRF throttles.
 
 Every test here failed on the code before the fix it names (issue 18): 1 login buckets
 multiplied by respelling the username, 2 stacked limits spending when another refuses,
@@ -240,7 +241,7 @@ def test_7_options_is_not_counted_by_the_decorator_or_the_throttles(backend):
 
     view = Page.as_view()
     # Django's View answers OPTIONS itself, without the view's code (issue 28 counts it
-    # on a function view, which runs its code for OPTIONS: test_red_team_2.py).
+    # on a function view, which runs its code for OPTIONS: test_attacks_request_data.py).
     assert [view(rf.options("/")).status_code for _ in range(10)] == [200] * 10
     assert limiter.get_value("login_ip", ("ip", "127.0.0.1")) == 3
     preflights = [Anonymous.as_view()(APIRequestFactory().options("/")).status_code for _ in range(5)]

@@ -1,4 +1,6 @@
-"""The attacker's third round (issue 47), items 10, 9 and 6, each as an attacker would try it.
+"""Attacks on keys and on caches (docs/security.md, "Third round", issue 47, items 10, 9
+and 6), each as an attacker would try it: spellings the database takes for one account,
+address headers that clients write, and 429s and 503s a cache could keep.
 
 The tests of each item failed on 4c6264d, the code before the fixes (but for two kept as
 controls, which pass on both: the safe spelling W005 points to, and the paths whose 429

@@ -1,5 +1,7 @@
-"""The attacker's third round (issue 47), what operators type: items 3, 4 and 11, what a
-second look at the command, the admin forms and the parsers found (O1-O7), and 49.9.
+"""What operators type, against an attacker (docs/security.md, "Third round", issue 47):
+the command's and the admin forms' text, ends, factors and numbers, escaped and bounded
+before use. Items 3, 4 and 11, what a second look at the command, the admin forms and
+the parsers found (O1-O7), and 49.9.
 
 Each test failed on 4c6264d, the code before the fixes, but the two that hold a bound's
 other side (a hundred years and a factor in range still accepted): 3 a reason holding

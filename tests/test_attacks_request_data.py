@@ -1,4 +1,6 @@
-"""The attacker's second round (issue 28), each case as an attacker would try it.
+"""Attacks with what a request carries (docs/security.md, "Second round", issue 28), each
+as an attacker would try it: usernames, user ids and JSON bodies that become keys, the
+DRF user a key reads, methods, credentials in logs, and numbers that cost CPU.
 
 Every test here failed on 0da9d99, the code before the fixes: 1 seconds of CPU per
 request from a username of combining marks, 2 a 500 for every user whose primary key

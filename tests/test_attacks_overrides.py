@@ -1,5 +1,7 @@
-"""The attacker's third round (issue 47), each case as an attacker (or the operator
-fighting one) would meet it.
+"""Overrides against an attacker (docs/security.md, "Third round", issue 47, items 1, 2
+and 5), as the operator fighting one would meet them: a block typed as the access log
+shows an address or a header reaches that client's requests, and an override smaller
+than a view's count refuses the request, never a 500.
 
 Every test here failed on 4c6264d, the code before the fixes. Run on the database
 (SQLite, PostgreSQL or MariaDB, whichever the run uses) and on Redis.
@@ -186,7 +188,7 @@ def test_5_the_command_and_the_admin_warn_of_an_override_below_a_views_count(bac
     call_command(
         "tokenbucket", "override", "heavy", "--key", "ip=198.51.100.8", "--capacity", "2", stdout=out, stderr=err
     )
-    assert "tests.test_red_team_3.heavy counts 5 per request, more than this override's capacity 2" in err.getvalue()
+    assert "tests.test_attacks_overrides.heavy counts 5 per request, more than this override's capacity 2" in err.getvalue()
     # And which bucket it reached: the one the request above used.
     assert "It reaches the bucket ip=198.51.100.8" in out.getvalue() and "stored: requests have used it" in out.getvalue()
     response = admin_client.post(
