@@ -18,12 +18,14 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from . import hints, overrides, registry
+from . import hints, registry
 from .backends.base import BaseBackend
 from .engine import ConfigSpec, Engine
 from .engine.names import encode_for, resolve
 from .keys import EncodedKey
 from .limits import LimitConfig
+from .overrides import rules as override_rules
+from .overrides import store as override_store
 from .status import MultiStatus, Status
 
 if TYPE_CHECKING:
@@ -289,9 +291,9 @@ class Limiter:
         call, ImproperlyConfigured when the limit is unknown.
         """
         limit = self.resolve(name)
-        numbers = overrides.numbers(limit, rate, period, capacity, max_reserved)
-        return overrides.make(
-            limit.name, key, overrides.LIMIT, numbers, until=until, reason=reason, created_by=created_by
+        numbers = override_rules.numbers(limit, rate, period, capacity, max_reserved)
+        return override_store.make(
+            limit.name, key, override_rules.LIMIT, numbers, until=until, reason=reason, created_by=created_by
         )
 
     def exempt(
@@ -307,8 +309,8 @@ class Limiter:
 
         An exempt call takes no tokens and its status says ``override="exempt"``.
         """
-        return overrides.make(
-            self._override_name(name), key, overrides.EXEMPT, until=until, reason=reason, created_by=created_by
+        return override_store.make(
+            self._override_name(name), key, override_rules.EXEMPT, until=until, reason=reason, created_by=created_by
         )
 
     def block(
@@ -325,8 +327,8 @@ class Limiter:
         A blocked call takes no tokens; its ``retry_after`` is the time until the block
         ends (None when it never does).
         """
-        return overrides.make(
-            self._override_name(name), key, overrides.BLOCK, until=until, reason=reason, created_by=created_by
+        return override_store.make(
+            self._override_name(name), key, override_rules.BLOCK, until=until, reason=reason, created_by=created_by
         )
 
     def clear_override(self, name: str, key: object = None) -> int:
@@ -336,11 +338,11 @@ class Limiter:
         """
         if not isinstance(name, str):
             raise ValueError(f"a rate limit name must be a str, not {name!r}")
-        return overrides.delete(name, overrides.key_digest(name, key).digest)
+        return override_store.delete(name, override_rules.key_digest(name, key).digest)
 
     def overrides(self, name: str | None = None) -> list[LimitOverride]:
         """Return the overrides in force (not expired), of limit ``name`` or of all, by limit and key."""
-        return overrides.in_force(name)
+        return override_store.in_force(name)
 
     async def aoverride(
         self,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from importlib import import_module
 from pathlib import Path
 
@@ -50,37 +50,43 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
     return [target] + [f"{target}.{alias.name}" for alias in node.names]
 
 
-def _top_level_imports(tree: ast.Module) -> list[ast.stmt]:
-    """Imports run when the module is imported: its body, and its if/try blocks."""
-    found: list[ast.stmt] = []
-    pending: list[ast.stmt] = list(tree.body)
-    while pending:
-        node = pending.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        elif isinstance(node, (ast.If, ast.Try)):
-            if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-                continue
-            pending.extend(node.body)
-            pending.extend(node.orelse)
-            if isinstance(node, ast.Try):
-                for handler in node.handlers:
-                    pending.extend(handler.body)
-                pending.extend(node.finalbody)
+def _imports_of(name: str, path: Path, tree: ast.Module, modules: Collection[str]) -> set[str]:
+    """The package's modules that importing ``name`` runs, by every import it holds: at
+    module level, inside a function and under ``TYPE_CHECKING`` alike, since a lazy
+    import is a dependency all the same, only found later.
+
+    Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, so a module
+    depends on each package face above what it imports, but not on the packages it sits
+    in (they are being imported already), unless it takes a name other than a module
+    from one of them: that is a dependency on the face's body and, as a face imports its
+    package's modules, a cycle.
+    """
+    own = {".".join(name.split(".")[:depth]) for depth in range(1, name.count(".") + 1)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = _resolve(name, path.name == "__init__.py", node)[0]
+            submodules = {f"{target}.{alias.name}" for alias in node.names} & set(modules)
+            faces_read = {target} if len(submodules) < len(node.names) else set()
+            wanted = submodules | faces_read
+        elif isinstance(node, ast.Import):
+            wanted, faces_read = {alias.name for alias in node.names}, set()
+        else:
+            continue
+        for target in wanted:
+            parts = target.split(".")
+            for depth in range(1, len(parts) + 1):
+                ancestor = ".".join(parts[:depth])
+                if ancestor in modules and (ancestor not in own or ancestor in faces_read):
+                    found.add(ancestor)
+    found.discard(name)
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = _modules()
-    graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, (path, tree) in modules.items():
-        for node in _top_level_imports(tree):
-            if isinstance(node, ast.ImportFrom):
-                targets = _resolve(name, path.name == "__init__.py", node)
-            else:
-                targets = [alias.name for alias in node.names]
-            graph[name].update(target for target in targets if target in modules and target != name)
-    return graph
+def _graph(modules: dict[str, tuple[Path, ast.Module]] | None = None) -> dict[str, set[str]]:
+    """Each module of the package and the modules importing it runs (``_imports_of``)."""
+    modules = _modules() if modules is None else modules
+    return {name: _imports_of(name, path, tree, modules) for name, (path, tree) in modules.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -118,12 +124,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_module_level_import_cycle():
-    # A package imports its parent package's __init__ first: those edges are not cycles.
-    graph = _graph()
-    for name in graph:
-        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
-    assert _cycles(graph) == []
+def test_no_import_cycle_counting_every_import():
+    assert _cycles(_graph()) == []
 
 
 def test_the_cycle_check_finds_a_cycle():
@@ -699,3 +701,204 @@ def test_models_import_nothing_inside_a_function():
         if isinstance(node, (ast.Import, ast.ImportFrom))
     ]
     assert inside == [], f"{path}: imports at lines {inside}"
+
+
+#: The package's layers, lowest first (issue 50, item 7): a module imports only modules of
+#: its own layer or of a layer before it, counting every import (``_graph``), and inside a
+#: layer there is no cycle either. ``docs/architecture.md`` shows this table
+#: (``render_layers``; ``python tests/test_structure.py`` rewrites it there). A name ending
+#: in ``.*`` stands for every module below that package, not the package's face itself.
+LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
+    (
+        "base",
+        "values and their arithmetic, the checks' catalogue, the signals, what a process lets go "
+        "and when; nothing of ours configured, no table, no I/O",
+        (
+            "algorithms",
+            "rates",
+            "limits",
+            "keys",
+            "status",
+            "exceptions",
+            "signals",
+            "clock",
+            "text",
+            "live",
+            "shards",
+            "plans",
+            "waits",
+            "hints",
+            "catalogue",
+            "lifecycle",
+        ),
+    ),
+    (
+        "settings",
+        "TOKENBUCKET read once, the limits a process knows, its logging",
+        ("settings", "registry", "logs"),
+    ),
+    ("tables", "the models: buckets, overrides, reservations, analytics counts", ("models",)),
+    (
+        "stores",
+        "the backends, each behind BaseBackend, and the aliases that name them",
+        ("backends", "backends.*"),
+    ),
+    (
+        "request keys",
+        "a request's key as our decorator and the django-ratelimit layer build it",
+        ("collation", "ip", "request_keys", "compat", "compat.ratelimit", "compat.ratelimit.keys"),
+    ),
+    (
+        "features",
+        "what a decision consults or reports beside its store",
+        ("deny_cache", "overrides", "overrides.*", "metrics", "analytics"),
+    ),
+    ("engine", "the decision pipeline, written once, and the plans of state", ("engine", "engine.*")),
+    ("face", "the Limiter and the package's names", ("api", "")),
+    (
+        "operations",
+        "what the admin and the command do with buckets and overrides, on any backend",
+        ("operations", "override_operations", "cleanup"),
+    ),
+    ("views", "the limits on a view, decided for a request, and the responses", ("view_limits", "http")),
+    (
+        "integrations",
+        "Django's, DRF's, Celery's and django-ratelimit's entry points, login protection, the "
+        "admin, the command, the checks, the app",
+        (
+            "decorators",
+            "middleware",
+            "throttling",
+            "throttling.*",
+            "compat.ratelimit.*",
+            "celery",
+            "celery.*",
+            "auth",
+            "auth.*",
+            "admin",
+            "admin.*",
+            "management",
+            "management.*",
+            "tasks",
+            "checks",
+            "apps",
+            "testing",
+        ),
+    ),
+]
+
+#: What a decision consults or reports beside its store: the engine calls each (``FEATURES``),
+#: and the face none.
+FEATURE_MODULES = ("deny_cache", "metrics", "analytics", "logs", "signals", "overrides", "overrides.snapshot")
+
+
+def _layer_of(
+    modules: Collection[str], layers: list[tuple[str, str, tuple[str, ...]]] = LAYERS
+) -> dict[str, list[str]]:
+    """Every module and the layers whose entries name it."""
+    found: dict[str, list[str]] = {name: [] for name in modules}
+    for layer, _what, entries in layers:
+        for entry in entries:
+            prefix = "django_tokenbucket" + (f".{entry}" if entry else "")
+            for name in modules:
+                below = entry.endswith(".*") and name.startswith(prefix[:-1])
+                if below or name == prefix:
+                    found[name].append(layer)
+    return found
+
+
+def _upward_imports(graph: dict[str, set[str]], layers: list[tuple[str, str, tuple[str, ...]]] = LAYERS) -> list[str]:
+    order = {layer: position for position, (layer, _what, _entries) in enumerate(layers)}
+    layer_of = {name: found[0] for name, found in _layer_of(graph, layers).items() if len(found) == 1}
+    return sorted(
+        f"{name} ({layer_of[name]}) imports {target} ({layer_of[target]})"
+        for name, targets in graph.items()
+        for target in targets
+        if order[layer_of[target]] > order[layer_of[name]]
+    )
+
+
+def test_every_module_is_in_one_layer():
+    modules = _modules()
+    placed = _layer_of(modules)
+    assert {name: layers for name, layers in placed.items() if len(layers) != 1} == {}
+    for layer, _what, entries in LAYERS:
+        for entry in entries:
+            assert any(_layer_of(modules, [(layer, "", (entry,))]).values()), f"{entry} names no module"
+
+
+def test_no_import_points_to_a_higher_layer():
+    assert _upward_imports(_graph()) == []
+
+
+def test_the_layer_check_finds_an_import_pointing_up():
+    layers = [("low", "", ("a", "b.*")), ("high", "", ("b", "c"))]
+    graph = {
+        "django_tokenbucket.a": {"django_tokenbucket.c"},
+        "django_tokenbucket.b": {"django_tokenbucket.b.x"},
+        "django_tokenbucket.b.x": set(),
+        "django_tokenbucket.c": {"django_tokenbucket.a"},
+    }
+    assert _layer_of(graph, layers)["django_tokenbucket.b.x"] == ["low"]
+    assert _upward_imports(graph, layers) == ["django_tokenbucket.a (low) imports django_tokenbucket.c (high)"]
+
+
+def test_the_graph_counts_lazy_imports_and_the_faces_above_what_is_imported():
+    sources = {
+        "django_tokenbucket.a": "def f():\n    from .p.m import x\n",
+        "django_tokenbucket.p": "from .m import x\n",
+        "django_tokenbucket.p.m": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import f\n",
+        "django_tokenbucket.p.n": "from . import m\nfrom django_tokenbucket.p import x\n",
+    }
+    modules = {
+        name: (PACKAGE / ("p/__init__.py" if name.endswith(".p") else "x.py"), ast.parse(source))
+        for name, source in sources.items()
+    }
+    graph = _graph(modules)
+    assert graph["django_tokenbucket.a"] == {"django_tokenbucket.p", "django_tokenbucket.p.m"}
+    assert graph["django_tokenbucket.p.m"] == {"django_tokenbucket.a"}
+    # p.n sits in p: importing the module m does not make it depend on p's face, taking
+    # the name x from the face does.
+    assert graph["django_tokenbucket.p.n"] == {"django_tokenbucket.p", "django_tokenbucket.p.m"}
+
+
+def test_the_face_imports_no_feature_module():
+    """The Limiter reaches the decision's features through the engine alone; its override
+    methods write through ``overrides.store`` and parse with ``overrides.rules``."""
+    modules = _modules()
+    path, tree = modules["django_tokenbucket.api"]
+    features = {f"django_tokenbucket.{name}" for name in FEATURE_MODULES}
+    direct = set()
+    for _line, target, names in _imported_targets("django_tokenbucket.api", path, tree):
+        submodules = {f"{target}.{name}" for name in names} & set(modules)
+        direct |= submodules | ({target} if len(submodules) < len(names) or not names else set())
+    assert sorted(direct & features) == []
+
+
+def render_layers() -> str:
+    """The layer list of docs/architecture.md, from ``LAYERS``."""
+    lines = []
+    for position, (layer, what, entries) in enumerate(LAYERS, 1):
+        names = ", ".join(f"`{entry or 'django_tokenbucket'}`" for entry in entries)
+        lines.append(f"{position}. **{layer}**: {what}. {names}")
+    return "\n".join(lines) + "\n"
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+LAYERS_BEGIN = "<!-- layers: from LAYERS in tests/test_structure.py; `python tests/test_structure.py` rewrites it -->\n"
+LAYERS_END = "<!-- end of layers -->\n"
+
+
+def _documented_layers() -> str:
+    text = ARCHITECTURE.read_text()
+    return text[text.index(LAYERS_BEGIN) + len(LAYERS_BEGIN) : text.index(LAYERS_END)]
+
+
+def test_the_architecture_page_shows_the_layers_as_the_test_holds_them():
+    assert _documented_layers() == render_layers(), "run `python tests/test_structure.py` to rewrite it"
+
+
+if __name__ == "__main__":
+    text = ARCHITECTURE.read_text()
+    begin, end = text.index(LAYERS_BEGIN) + len(LAYERS_BEGIN), text.index(LAYERS_END)
+    ARCHITECTURE.write_text(text[:begin] + render_layers() + text[end:])

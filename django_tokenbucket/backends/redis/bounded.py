@@ -171,14 +171,27 @@ _READ_TIMEOUT_BY_CLASS: dict[type[Any], bool] = {}
 
 
 def _reads_with_timeout(link_class: type[Any]) -> bool:
-    """Whether ``link_class.read_response`` takes a ``timeout`` (redis-py 8 on). Before
-    it, a read is bounded by the connection's own socket timeout alone (the backend's own
-    connections get the deadline's, clients.filled_options)."""
+    """Whether ``link_class.read_response`` takes a ``timeout`` (redis-py 8 on)."""
     known = _READ_TIMEOUT_BY_CLASS.get(link_class)
     if known is None:
         parameters = inspect.signature(link_class.read_response).parameters
         known = _READ_TIMEOUT_BY_CLASS[link_class] = "timeout" in parameters
     return known
+
+
+def _read_within(link: Any, seconds: float) -> Any:
+    """The next reply on ``link``, its start waited for ``seconds`` at most.
+
+    redis-py 8 takes the wait itself. Before it (redis-py 7, which ``limits[redis]`` still
+    pins), ``can_read`` waits for the reply's first bytes: a server that never answers
+    ends the wait at the deadline, not at the connection's socket timeout; the rest of a
+    reply already begun follows within that timeout.
+    """
+    if _reads_with_timeout(type(link)):
+        return link.read_response(timeout=seconds)
+    if not link.can_read(timeout=seconds):
+        raise RedisTimeoutError("Timeout reading from socket")
+    return link.read_response()
 
 
 def _on_link(
@@ -219,11 +232,11 @@ def _on_link(
         own = link.socket_timeout
         for _ in commands:
             left = deadline - time.monotonic()
-            cut = _reads_with_timeout(type(link)) and (own is None or left < own - READ_SLACK)
+            cut = own is None or left < own - READ_SLACK
             try:
                 # A wait no longer than the time left; the connection's own timeout otherwise.
                 # Never 0: a non-blocking read with nothing to read is an error, not a timeout.
-                reply = link.read_response(timeout=max(left, 1e-4)) if cut else link.read_response()
+                reply = _read_within(link, max(left, 1e-4)) if cut else link.read_response()
             except ResponseError as exc:
                 error = error or exc
                 reply = None
