@@ -29,7 +29,7 @@ from . import clock, operations, overrides, registry
 from .algorithms import MICRO
 from .api import limiter
 from .backends.base import BackendError
-from .compat.ratelimit.core import key_from_text as compat_key_from_text
+from .compat.ratelimit.keys import key_from_text as compat_key_from_text
 from .keys import encode_key, key_from_json, label_as_typed
 from .limits import LimitConfig, to_micro
 from .models import LimitOverride

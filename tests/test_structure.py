@@ -745,8 +745,17 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ),
     (
         "request keys",
-        "a request's key as our decorator and the django-ratelimit layer build it",
-        ("collation", "ip", "request_keys", "compat", "compat.ratelimit", "compat.ratelimit.keys"),
+        "a request's key, as our decorator builds it and as the django-ratelimit layer does "
+        "(its package's face holds two constants)",
+        (
+            "collation",
+            "ip",
+            "request_keys",
+            "compat",
+            "compat.ratelimit",
+            "compat.ratelimit.methods",
+            "compat.ratelimit.keys",
+        ),
     ),
     (
         "features",
@@ -770,7 +779,12 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
             "middleware",
             "throttling",
             "throttling.*",
-            "compat.ratelimit.*",
+            "compat.ratelimit.core",
+            "compat.ratelimit.decorators",
+            "compat.ratelimit.exceptions",
+            "compat.ratelimit.middleware",
+            "compat.ratelimit.stores",
+            "compat.ratelimit.checks",
             "celery",
             "celery.*",
             "auth",

@@ -11,11 +11,7 @@ from django.utils.module_loading import import_string
 from ..limits import DEFAULT_BACKEND_ALIAS
 from ..settings import tokenbucket_settings
 from .base import BaseBackend
-
-try:
-    from django_redis.cache import RedisCache
-except ImportError:  # the Redis backend is not installed; no cache is a django-redis one
-    RedisCache = None
+from .caches import is_django_redis
 
 __all__ = [
     "after_fork_in_child",
@@ -74,17 +70,6 @@ def get_backend(alias: str = DEFAULT_BACKEND_ALIAS) -> BaseBackend:
             named = "setting" in inspect.signature(found).parameters
             _backends[alias] = found(options, setting=where) if named else found(options)
         return _backends[alias]
-
-
-def is_django_redis(cache_backend: object) -> bool:
-    """Whether a ``CACHES`` BACKEND path names django-redis' cache (or a subclass)."""
-    if RedisCache is None or not isinstance(cache_backend, str):
-        return False
-    try:
-        cache_class = import_string(cache_backend)
-    except ImportError:
-        return False
-    return isinstance(cache_class, type) and issubclass(cache_class, RedisCache)
 
 
 def redis_backend(cache: str) -> BaseBackend:

@@ -9,7 +9,7 @@ from django.conf import settings
 from django_redis import get_redis_connection
 
 from ... import catalogue
-from ..aliases import is_django_redis
+from ..caches import is_django_redis
 from .bounded import deadline_option
 from .clients import cache_primary, rebuildable
 

@@ -40,7 +40,7 @@ from django_redis import get_redis_connection
 from django_redis.client import DefaultClient, HerdClient, SentinelClient
 from django_redis.pool import ConnectionFactory
 
-from ..aliases import is_django_redis
+from ..caches import is_django_redis
 from .connections import ClusterConnectionFactory
 
 __all__ = [

@@ -13,8 +13,8 @@ from django.utils.module_loading import import_string
 
 from ... import catalogue
 from . import stores
-from .core import ip_meta_key_problem
 from .decorators import MARK
+from .keys import ip_meta_key_problem
 
 __all__ = ["check_ratelimit_compat"]
 

@@ -22,7 +22,7 @@ from django.conf import settings
 from django.core.cache.backends.base import BaseCache
 from django.core.cache.backends.dummy import DummyCache
 
-from ...backends import is_django_redis
+from ...backends.caches import is_django_redis
 
 __all__ = ["Home", "cache_alias", "home", "use_cache_is_set"]
 
