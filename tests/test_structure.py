@@ -912,6 +912,34 @@ def test_the_architecture_page_shows_the_layers_as_the_test_holds_them():
     assert _documented_layers() == render_layers(), "run `python tests/test_structure.py` to rewrite it"
 
 
+def test_the_architecture_page_has_a_row_for_every_capability_of_a_backend():
+    """Its table of ``BaseBackend``'s flags (what the admin and the command may ask of a
+    store) lists each one: a flag added without a row left contributors guessing."""
+    _path, tree = _modules()["django_tokenbucket.backends.base"]
+    base = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "BaseBackend")
+    flags = {
+        node.target.id
+        for node in base.body
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(node.target, ast.Name)
+        and ast.unparse(node.annotation) == "ClassVar[bool]"
+        and node.target.id != "asyncio_native"  # how it runs, not an operation it offers
+    }
+    rows = set(re.findall(r"^\| `(\w+)` \|", ARCHITECTURE.read_text(), re.MULTILINE))
+    assert len(flags) >= 6 and sorted(flags - rows) == []
+
+
+def test_the_architecture_page_names_every_module():
+    text = ARCHITECTURE.read_text()
+    tree = text[text.index("## What lives where") : text.index("## Layers")]
+    unnamed = [
+        str(path.relative_to(PACKAGE))
+        for path, _tree in _modules().values()
+        if path.name != "__init__.py" and not re.search(rf"(?<![\w.]){re.escape(path.name)}\b", tree)
+    ]
+    assert unnamed == [], "say in its 'What lives where' what each holds"
+
+
 if __name__ == "__main__":
     text = ARCHITECTURE.read_text()
     begin, end = text.index(LAYERS_BEGIN) + len(LAYERS_BEGIN), text.index(LAYERS_END)
