@@ -8,9 +8,11 @@ from datetime import timedelta
 
 import pytest
 from django.contrib.admin.models import ADDITION, CHANGE, DELETION, LogEntry
+from django.http import HttpResponse
 from django.test import Client
 
 from django_tokenbucket import limiter, overrides
+from django_tokenbucket.decorators import ratelimit
 from django_tokenbucket.keys import encode_key
 from django_tokenbucket.models import LimitOverride, OverridesVersion, RateLimit
 from django_tokenbucket.testing import frozen_clock
@@ -483,10 +485,18 @@ def test_a_spec_no_view_of_an_inline_limit_keys_by_is_refused_with_the_ones_they
     assert not LimitOverride.objects.exists()
 
 
-def test_a_spec_no_view_of_a_named_limit_keys_by_is_saved_with_a_warning(clock):
-    """``login`` is in LIMITS: code may decide it with keys of its own, so ``username=`` is
+@ratelimit("signin", key="post:username")
+def signin(request):
+    """The one view of the ``signin`` limit: a limit's views are what every test module that
+    decorates one of its own adds to the registry, so this test keeps a limit of its own."""
+    return HttpResponse("ok")
+
+
+def test_a_spec_no_view_of_a_named_limit_keys_by_is_saved_with_a_warning(clock, settings):
+    """``signin`` is in LIMITS: code may decide it with keys of its own, so ``username=`` is
     saved, but the operator learns that its views key by ``post:username``."""
+    settings.TOKENBUCKET = {**settings.TOKENBUCKET, "LIMITS": {**settings.TOKENBUCKET["LIMITS"], "signin": "5/m"}}
     client = client_for(make_user("root", superuser=True))
-    response = client.post(f"{ADMIN}add/", add_form(key_text="username=eve"), follow=True)
+    response = client.post(f"{ADMIN}add/", add_form(name="signin", key_text="username=eve"), follow=True)
     assert LimitOverride.objects.count() == 1
     assert any("no view keys it by 'username'" in m and "post:username" in m for m in messages_of(response))
