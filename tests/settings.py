@@ -183,6 +183,7 @@ TOKENBUCKET = {
         "celery_tasks": {"kind": "token bucket", "rate": 20, "period": 1, "capacity": 5, "max_reserved": 1000},
         "login": "5/m",
         "login_ip": "3/m",  # the per-address half of a login limit (test_attacks_login_and_leaks.py)
+        "signin": "5/m",  # a named limit with one view of its own (test_overrides_admin.py)
     },
 }
 

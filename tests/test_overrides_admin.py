@@ -492,10 +492,9 @@ def signin(request):
     return HttpResponse("ok")
 
 
-def test_a_spec_no_view_of_a_named_limit_keys_by_is_saved_with_a_warning(clock, settings):
+def test_a_spec_no_view_of_a_named_limit_keys_by_is_saved_with_a_warning(clock):
     """``signin`` is in LIMITS: code may decide it with keys of its own, so ``username=`` is
     saved, but the operator learns that its views key by ``post:username``."""
-    settings.TOKENBUCKET = {**settings.TOKENBUCKET, "LIMITS": {**settings.TOKENBUCKET["LIMITS"], "signin": "5/m"}}
     client = client_for(make_user("root", superuser=True))
     response = client.post(f"{ADMIN}add/", add_form(name="signin", key_text="username=eve"), follow=True)
     assert LimitOverride.objects.count() == 1
