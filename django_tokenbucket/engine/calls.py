@@ -25,7 +25,7 @@ from .decide import Asked
 from .names import ConfigSpec, encode_for, resolve
 from .rules import LOOK_UP, count_in_force, in_force
 from .statuses import overridden
-from .steps import adrive, drive
+from .steps import aanswer, adrive, answer, drive
 from .stores import Stores
 
 __all__ = ["Engine"]
@@ -57,7 +57,7 @@ class Engine(Stores):
         overrides.refresh_if_due()
         call = decide.begin_one(self, name, key, count, reserve, config, apply=apply, rule=rule)
         if call.pending:
-            drive(self, decide.store(call))
+            self._store(call)
         (status,) = decide.finish(call)
         if throws and not status.ok:
             raise RateLimited(status.name, status.key, status.retry_after, status)
@@ -79,7 +79,7 @@ class Engine(Stores):
         await overrides.arefresh_if_due()
         call = decide.begin_one(self, name, key, count, reserve, config, apply=apply, rule=rule)
         if call.pending:
-            await adrive(self, decide.store(call))
+            await self._astore(call)
         (status,) = decide.finish(call)
         if throws and not status.ok:
             raise RateLimited(status.name, status.key, status.retry_after, status)
@@ -90,7 +90,7 @@ class Engine(Stores):
         overrides.refresh_if_due()
         call = decide.begin(self, asked, apply=apply, rules=None)
         if call.pending:
-            drive(self, decide.store(call))
+            self._store(call)
         return _many_result(decide.finish(call), throws)
 
     async def adecide_many(self, asked: Sequence[Asked], *, apply: bool, throws: bool) -> MultiStatus:
@@ -98,8 +98,25 @@ class Engine(Stores):
         await overrides.arefresh_if_due()
         call = decide.begin(self, asked, apply=apply, rules=None)
         if call.pending:
-            await adrive(self, decide.store(call))
+            await self._astore(call)
         return _many_result(decide.finish(call), throws)
+
+    def _store(self, call: decide.Call) -> None:
+        """Ask the store what ``call`` leaves to it: one step when it is one unsharded
+        limit, the pipeline's plan otherwise."""
+        step = decide.one_step(call)
+        if step is None:
+            drive(self, decide.store(call))
+        else:
+            decide.answered(call, answer(self, step))
+
+    async def _astore(self, call: decide.Call) -> None:
+        """``_store()`` for async code."""
+        step = decide.one_step(call)
+        if step is None:
+            await adrive(self, decide.store(call))
+        else:
+            decide.answered(call, await aanswer(self, step))
 
     # -- state -------------------------------------------------------------------------
 

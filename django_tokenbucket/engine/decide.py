@@ -8,7 +8,9 @@ driver:
   the store, and asks the deny cache (**recall**);
 - ``store`` is the plan of store steps a driver answers (``steps.drive``, ``adrive``):
   the shards' probe, then the enforced limits, then the shadowed ones, each group one
-  backend call, all-or-nothing;
+  backend call, all-or-nothing; a call of one unsharded limit asks its one step
+  (``one_step``, answered by ``steps.answer``) and takes the answer (``answered``)
+  without a plan;
 - ``finish`` tells the deny cache what the store said (**learn**), makes the statuses
   (**status**) and, for a call that applies, counts, logs and signals them (**report**).
 
@@ -37,7 +39,7 @@ from .sharding import plan_shards, sharded_decision
 from .steps import Decide, Steps
 from .stores import Stores
 
-__all__ = ["Asked", "Call", "begin", "begin_one", "finish", "one_backend", "store"]
+__all__ = ["Asked", "Call", "answered", "begin", "begin_one", "finish", "one_backend", "one_step", "store"]
 
 
 class Asked(Protocol):
@@ -286,21 +288,49 @@ def store(call: Call) -> Steps[None]:
             else:
                 requests.extend(item.parts)
         outcome = yield Decide(group[0].limit, requests, call.apply and (group is enforced or enforced_ok))
-        if outcome is None:
-            for item in group:
-                item.status = statuses.failed_open(item.limit, item.key, item.count)
-            continue
-        position = 0
+        enforced_ok = _take(group, outcome) and enforced_ok
+
+
+def one_step(call: Call) -> Decide | None:
+    """The store step of a call of one unsharded limit (every request's call), which a
+    driver answers without a plan (``steps.answer``): ``store`` would ask the same, at
+    the cost of a generator. None for any other call, which runs ``store``."""
+    if len(call.items) != 1:
+        return None
+    item = call.items[0]
+    if item.limit.shards > 1:
+        return None
+    if not item.limit.shadow:
+        call.before = deny_cache.now()
+    return Decide(item.limit, [item.request], call.apply)
+
+
+def answered(call: Call, outcome: Outcome | None) -> None:
+    """Take the store's answer to ``one_step``."""
+    _take(call.items, outcome)
+
+
+def _take(group: list[Item], outcome: Outcome | None) -> bool:
+    """Give each item of ``group`` its decision from the store's ``outcome`` (None: the
+    store failed and the call goes through, failed open); return whether none of its
+    enforced limits refused."""
+    if outcome is None:
         for item in group:
-            if item.parts is None:
-                decision = outcome.decisions[position]
-                position += 1
-            else:
-                decisions = outcome.decisions[position : position + len(item.parts)]
-                position += len(item.parts)
-                decision = sharded_decision(item.limit, decisions, item.untouched)
-            item.decision, item.now = decision, outcome.now
-            enforced_ok = enforced_ok and (item.limit.shadow or decision.allowed)
+            item.status = statuses.failed_open(item.limit, item.key, item.count)
+        return True
+    allowed = True
+    position = 0
+    for item in group:
+        if item.parts is None:
+            decision = outcome.decisions[position]
+            position += 1
+        else:
+            decisions = outcome.decisions[position : position + len(item.parts)]
+            position += len(item.parts)
+            decision = sharded_decision(item.limit, decisions, item.untouched)
+        item.decision, item.now = decision, outcome.now
+        allowed = allowed and (item.limit.shadow or decision.allowed)
+    return allowed
 
 
 # -- learn, status, report ----------------------------------------------------------------

@@ -4,8 +4,9 @@ A plan is a generator that yields what it needs from a store (``Decide``, ``Rese
 ``Refund``) and receives the answer: an ``Outcome``, or None when the store failed and
 the fail mode lets the call through. ``drive`` answers with the backends' blocking
 methods, ``adrive`` with their asyncio ones, so that each operation is written once for
-both. The store call is timed for the metrics here, and its failure handed to
-``failure``.
+both; ``answer`` and ``aanswer`` answer one step, for the drivers and for a decision of
+one limit, which needs no plan (``decide.single``). The store call is timed for the
+metrics here, and its failure handed to ``failure``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..limits import LimitConfig
 from . import failure
 from .stores import Stores
 
-__all__ = ["Decide", "Refund", "Reset", "Step", "Steps", "adrive", "drive"]
+__all__ = ["Decide", "Refund", "Reset", "Step", "Steps", "aanswer", "adrive", "answer", "drive"]
 
 
 class Decide:
@@ -67,29 +68,53 @@ T = TypeVar("T")
 Steps = Generator[Step, Any, T]
 
 
+def answer(stores: Stores, step: Step) -> Any:
+    """Answer one step with the backend's blocking method: the store's answer, or None
+    when it failed and the fail mode lets the call through (``failure``)."""
+    backend = stores.backend(step.limit)
+    recorder = metrics.active()
+    started = time.perf_counter() if recorder is not None else 0.0
+    try:
+        if isinstance(step, Decide):
+            return backend.decide(step.requests, apply=step.apply)
+        if isinstance(step, Reset):
+            backend.reset(step.bucket, step.key)
+            return None
+        return backend.refund(step.bucket, step.key, step.amount)
+    except BackendError as exc:
+        _failed(stores, step, exc)
+        return None
+    finally:
+        if recorder is not None and isinstance(step, Decide):
+            recorder.store_seconds(stores.label(step.limit), time.perf_counter() - started)
+
+
+async def aanswer(stores: Stores, step: Step) -> Any:
+    """``answer()`` with the backend's asyncio methods."""
+    backend = stores.backend(step.limit)
+    recorder = metrics.active()
+    started = time.perf_counter() if recorder is not None else 0.0
+    try:
+        if isinstance(step, Decide):
+            return await backend.adecide(step.requests, apply=step.apply)
+        if isinstance(step, Reset):
+            await backend.areset(step.bucket, step.key)
+            return None
+        return await backend.arefund(step.bucket, step.key, step.amount)
+    except BackendError as exc:
+        _failed(stores, step, exc)
+        return None
+    finally:
+        if recorder is not None and isinstance(step, Decide):
+            recorder.store_seconds(stores.label(step.limit), time.perf_counter() - started)
+
+
 def drive(stores: Stores, steps: Steps[T]) -> T:
     """Run a plan, answering its steps with the backends' blocking methods."""
     try:
         step = next(steps)
         while True:
-            backend = stores.backend(step.limit)
-            recorder = metrics.active()
-            started = time.perf_counter() if recorder is not None else 0.0
-            try:
-                if isinstance(step, Decide):
-                    answer: Any = backend.decide(step.requests, apply=step.apply)
-                elif isinstance(step, Reset):
-                    backend.reset(step.bucket, step.key)
-                    answer = None
-                else:
-                    answer = backend.refund(step.bucket, step.key, step.amount)
-            except BackendError as exc:
-                _failed(stores, step, exc)
-                answer = None
-            finally:
-                if recorder is not None and isinstance(step, Decide):
-                    recorder.store_seconds(stores.label(step.limit), time.perf_counter() - started)
-            step = steps.send(answer)
+            step = steps.send(answer(stores, step))
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
     finally:
@@ -104,24 +129,7 @@ async def adrive(stores: Stores, steps: Steps[T]) -> T:
     try:
         step = next(steps)
         while True:
-            backend = stores.backend(step.limit)
-            recorder = metrics.active()
-            started = time.perf_counter() if recorder is not None else 0.0
-            try:
-                if isinstance(step, Decide):
-                    answer: Any = await backend.adecide(step.requests, apply=step.apply)
-                elif isinstance(step, Reset):
-                    await backend.areset(step.bucket, step.key)
-                    answer = None
-                else:
-                    answer = await backend.arefund(step.bucket, step.key, step.amount)
-            except BackendError as exc:
-                _failed(stores, step, exc)
-                answer = None
-            finally:
-                if recorder is not None and isinstance(step, Decide):
-                    recorder.store_seconds(stores.label(step.limit), time.perf_counter() - started)
-            step = steps.send(answer)
+            step = steps.send(await aanswer(stores, step))
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
     finally:
