@@ -5,7 +5,7 @@ A plan is a generator that yields what it needs from a store (``Decide``, ``Rese
 the fail mode lets the call through. ``drive`` answers with the backends' blocking
 methods, ``adrive`` with their asyncio ones, so that each operation is written once for
 both; ``answer`` and ``aanswer`` answer one step, for the drivers and for a decision of
-one limit, which needs no plan (``decide.single``). The store call is timed for the
+one limit, which needs no plan (``decide.one_step``). The store call is timed for the
 metrics here, and its failure handed to ``failure``.
 """
 
