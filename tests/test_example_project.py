@@ -387,7 +387,8 @@ def test_playground_charts_a_burst_in_headless_chromium(demo: Demo, tmp_path: Pa
         def number(name: str) -> float:
             return float(chart.get_attribute(f"data-{name}") or "nan")
 
-        def until(condition: Callable[[], bool], what: str, timeout: float = 20) -> None:
+        # A bound, not a speed: CI runs this env beside a database env on two cores.
+        def until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
             WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda _: condition(), message=what)
 
         driver.find_element(By.ID, "reset").click()
