@@ -511,19 +511,19 @@ def key_scale(where: dict[str, harness.Worker], rows: int, seconds: float, round
 # --------------------------------------------------------------------------- metrics cost
 
 
-def metrics_cost(rounds: int, calls: int) -> dict[str, Any]:
-    """What ``TOKENBUCKET["METRICS"]`` and ``TOKENBUCKET["ANALYTICS"]`` add to a decision,
-    measured in this process.
+#: The configurations of ``metrics_cost``, each in a process of its own.
+METRICS_MODES = {
+    "off": {"METRICS": None, "ANALYTICS": None},
+    "prometheus": {"METRICS": "prometheus", "ANALYTICS": None},
+    "analytics": {"METRICS": None, "ANALYTICS": {"FLUSH": 3600}},
+}
 
-    ``limiter.limit()`` on a backend that decides in memory (``decide_all`` on a dict),
-    so that the store's time, and its noise, is out of the figure: both off, metrics on,
-    analytics on, in alternate batches of ``calls``, ``rounds`` times; each cost is the
-    difference of the per-call medians. Analytics flush once an hour here, so the figure
-    is the counting every decision pays; a flush is one write per ``FLUSH`` per process,
-    off the request path.
-    """
-    import statistics
 
+def _memory_decisions(conn: Any, mode: str) -> None:
+    """A worker of ``metrics_cost`` (a spawned process): decide in memory with ``METRICS_MODES[mode]``,
+    ``calls`` decisions each time it is sent ``calls``, and send back the µs per decision
+    (or, sent -1, ``prometheus_client_cost()``'s figure)."""
+    setup_django()
     from django.conf import settings
     from django.test import override_settings
 
@@ -550,37 +550,112 @@ def metrics_cost(rounds: int, calls: int) -> dict[str, Any]:
             self.states.pop((config.name, key.digest), None)
 
         def write_analytics(self, minutes: Any, keys: Any) -> None:
-            pass  # not reached: the flush comes after the measurement
+            pass  # not reached: analytics flush once an hour here
 
+    # Process-wide, as in a project: this process measures one configuration only.
+    override_settings(TOKENBUCKET={**settings.TOKENBUCKET, **METRICS_MODES[mode]}).enable()
     memory = Limiter(InMemory())
-    settings_now = settings.TOKENBUCKET
+    for i in range(1024):  # every key of the batches decided once, the recorder made
+        memory.limit("bench", i)
+    conn.send("ready")
+    while calls := conn.recv():
+        if calls < 0:
+            conn.send(prometheus_client_cost())
+            continue
+        started = time.perf_counter()
+        for i in range(calls):
+            memory.limit("bench", i & 1023)
+        conn.send((time.perf_counter() - started) / calls * 1e6)
 
-    modes = {
-        "off": {"METRICS": None, "ANALYTICS": None},
-        "prometheus": {"METRICS": "prometheus", "ANALYTICS": None},
-        "analytics": {"METRICS": None, "ANALYTICS": {"FLUSH": 3600}},
-    }
-    per_call: dict[str, list[float]] = {mode: [] for mode in modes}
-    for _ in range(rounds):
-        for mode, changed in modes.items():
-            with override_settings(TOKENBUCKET={**settings_now, **changed}):
-                memory.limit("bench", "warm")
-                started = time.perf_counter()
-                for i in range(calls):
-                    memory.limit("bench", i & 1023)
-                per_call[mode].append((time.perf_counter() - started) / calls * 1e6)
-    from django_tokenbucket import analytics
 
-    analytics.discard()
-    off, on = statistics.median(per_call["off"]), statistics.median(per_call["prometheus"])
-    counting = statistics.median(per_call["analytics"])
+def metrics_cost(rounds: int, calls: int) -> dict[str, Any]:
+    """What ``TOKENBUCKET["METRICS"]`` and ``TOKENBUCKET["ANALYTICS"]`` add to a decision.
+
+    ``limiter.limit()`` on a backend that decides in memory (``decide_all`` on a dict),
+    so that the store's time, and its noise, is out of the figure. Each configuration
+    (both off, metrics on, analytics on) runs in a fresh process of its own: the setting
+    is process-wide, and the bench's main process, after the rest of the run, has
+    objects, garbage collections and threads of its own, which moved the earlier
+    in-process figures by several µs from round to round. The three take turns, a batch of ``calls``
+    each, in a rotating order, ``rounds`` times; each cost is the median of the rounds'
+    differences with the batch of both off beside it, which a drift of the machine
+    between rounds leaves out. Analytics flush once an hour here, so the figure is the
+    counting every decision pays; a flush is one write per ``FLUSH`` per process, off the
+    request path.
+
+    For scale, the two ``prometheus_client`` calls that a decision makes, timed alone in
+    the metrics process, are reported as ``prometheus_client_us``: the part of the cost
+    that is the library's.
+    """
+    import statistics
+
+    context = harness.context()
+    workers: dict[str, Any] = {}
+    try:
+        for mode in METRICS_MODES:
+            conn, child = context.Pipe()
+            process = context.Process(target=_memory_decisions, args=(child, mode), daemon=True, name=f"metrics {mode}")
+            process.start()
+            child.close()
+            workers[mode] = (conn, process)
+        for mode, (conn, _) in workers.items():
+            if not conn.poll(180) or conn.recv() != "ready":
+                raise SystemExit(f"metrics cost: the {mode} process did not start")
+        per_call: dict[str, list[float]] = {mode: [] for mode in workers}
+        for r in range(rounds):
+            for mode in harness.rotate(list(workers), r):
+                conn = workers[mode][0]
+                conn.send(calls)
+                per_call[mode].append(conn.recv())
+        workers["prometheus"][0].send(-1)
+        library = workers["prometheus"][0].recv()
+    finally:
+        for conn, process in workers.values():
+            try:
+                conn.send(0)
+            except OSError:
+                pass
+            process.join(timeout=30)
+            if process.is_alive():
+                process.terminate()
+
+    def added(mode: str) -> float:
+        return statistics.median(on - off for on, off in zip(per_call[mode], per_call["off"]))
+
     return {
-        "off_us": round(off, 2),
-        "prometheus_us": round(on, 2),
-        "added_us": round(on - off, 2),
-        "analytics_us": round(counting, 2),
-        "analytics_added_us": round(counting - off, 2),
+        "off_us": round(statistics.median(per_call["off"]), 2),
+        "prometheus_us": round(statistics.median(per_call["prometheus"]), 2),
+        "added_us": round(added("prometheus"), 2),
+        "analytics_us": round(statistics.median(per_call["analytics"]), 2),
+        "analytics_added_us": round(added("analytics"), 2),
+        "prometheus_client_us": round(library, 2),
+        "rounds": rounds,
+        "calls": calls,
     }
+
+
+def prometheus_client_cost(calls: int = 100_000) -> float:
+    """µs of the two ``prometheus_client`` calls a decision makes with ``METRICS = "prometheus"``
+    (a labelled counter's ``inc()`` and a labelled histogram's ``observe()``, each child
+    looked up once, as the recorder keeps them): the library's share of the metrics' cost."""
+    import statistics
+
+    import prometheus_client
+
+    from django_tokenbucket.metrics import BUCKETS
+
+    registry = prometheus_client.CollectorRegistry()
+    count = prometheus_client.Counter("c", "", ["limit", "backend", "outcome"], registry=registry)
+    seconds = prometheus_client.Histogram("s", "", ["backend"], registry=registry, buckets=BUCKETS)
+    inc, observe = count.labels("bench", "default", "allowed").inc, seconds.labels("default").observe
+    timings = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(calls):
+            inc()
+            observe(0.00002)
+        timings.append((time.perf_counter() - started) / calls * 1e6)
+    return statistics.median(timings)
 
 
 # --------------------------------------------------------------------------- targets
@@ -890,7 +965,7 @@ def main() -> None:
             memory = {name: memory[name] for name in adapters if name in memory}
 
             print("metrics cost, in memory ...", flush=True)
-            cost = metrics_cost(rounds * 2, 2000 if args.quick else 20000)
+            cost = metrics_cost(rounds * 10, 500 if args.quick else 2000)
 
         print(f"{args.processes} processes on a hot key: {mp_rounds} rounds × {mp_seconds} s ...", flush=True)
         many = harness.many_processes(SETTINGS, FACTORY, "bench", adapters, args.processes, mp_rounds, mp_seconds)
