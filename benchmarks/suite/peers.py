@@ -511,113 +511,97 @@ def key_scale(where: dict[str, harness.Worker], rows: int, seconds: float, round
 # --------------------------------------------------------------------------- metrics cost
 
 
-#: The configurations of ``metrics_cost``, each in a process of its own.
+#: The configurations of ``metrics_cost``, each in a worker process of its own.
 METRICS_MODES = {
     "off": {"METRICS": None, "ANALYTICS": None},
     "prometheus": {"METRICS": "prometheus", "ANALYTICS": None},
     "analytics": {"METRICS": None, "ANALYTICS": {"FLUSH": 3600}},
 }
+#: The factory of ``metrics_cost``'s workers, and the name of their one adapter.
+MEMORY_FACTORY = "benchmarks.suite.peers:memory_adapters"
+IN_MEMORY = "tokenbucket in memory"
 
 
-def _memory_decisions(conn: Any, mode: str) -> None:
-    """A worker of ``metrics_cost`` (a spawned process): decide in memory with ``METRICS_MODES[mode]``,
-    ``calls`` decisions each time it is sent ``calls``, and send back the µs per decision
-    (or, sent -1, ``prometheus_client_cost()``'s figure)."""
-    setup_django()
-    from django.conf import settings
-    from django.test import override_settings
+class InMemoryLimiter(Adapter):
+    """``limiter.limit()`` on a backend that decides in memory (``decide_all`` on a dict), so
+    that no store's time, nor its noise, is in the figure; with ``METRICS_MODES[mode]``
+    set for the whole worker, as a project sets it. ``extra`` holds, in the metrics
+    worker, ``prometheus_client_cost()``'s figure."""
 
-    from django_tokenbucket.api import Limiter
-    from django_tokenbucket.backends.base import BaseBackend, Outcome, decide_all, row_id
+    name, family, store, algorithm = IN_MEMORY, "ours", "memory", "token bucket"
 
-    class InMemory(BaseBackend):
-        keeps_analytics = True
+    def __init__(self, spec: str, mode: str) -> None:
+        from django.conf import settings
+        from django.test import override_settings
 
-        def __init__(self) -> None:
-            super().__init__({})
-            self.states: dict[Any, Any] = {}
-            self.now = 1_700_000_000_000_000
+        from django_tokenbucket.api import Limiter
+        from django_tokenbucket.backends.base import BaseBackend, Outcome, decide_all, row_id
 
-        def decide(self, requests: Any, *, apply: bool) -> Outcome:
-            self.now += 1000
-            states = {row_id(r): self.states.get(row_id(r)) for r in requests}
-            decisions, writes = decide_all(requests, states, self.now)
-            if apply:
-                self.states.update(writes)
-            return Outcome(decisions, self.now)
+        super().__init__(spec)
 
-        def reset(self, config: Any, key: Any) -> None:
-            self.states.pop((config.name, key.digest), None)
+        class InMemory(BaseBackend):
+            keeps_analytics = True
 
-        def write_analytics(self, minutes: Any, keys: Any) -> None:
-            pass  # not reached: analytics flush once an hour here
+            def __init__(self) -> None:
+                super().__init__({})
+                self.states: dict[Any, Any] = {}
+                self.now = 1_700_000_000_000_000
 
-    # Process-wide, as in a project: this process measures one configuration only.
-    override_settings(TOKENBUCKET={**settings.TOKENBUCKET, **METRICS_MODES[mode]}).enable()
-    memory = Limiter(InMemory())
-    for i in range(1024):  # every key of the batches decided once, the recorder made
-        memory.limit("bench", i)
-    conn.send("ready")
-    while calls := conn.recv():
-        if calls < 0:
-            conn.send(prometheus_client_cost())
-            continue
-        started = time.perf_counter()
-        for i in range(calls):
-            memory.limit("bench", i & 1023)
-        conn.send((time.perf_counter() - started) / calls * 1e6)
+            def decide(self, requests: Any, *, apply: bool) -> Outcome:
+                self.now += 1000
+                states = {row_id(r): self.states.get(row_id(r)) for r in requests}
+                decisions, writes = decide_all(requests, states, self.now)
+                if apply:
+                    self.states.update(writes)
+                return Outcome(decisions, self.now)
+
+            def reset(self, config: Any, key: Any) -> None:
+                self.states.pop((config.name, key.digest), None)
+
+            def write_analytics(self, minutes: Any, keys: Any) -> None:
+                pass  # not reached: analytics flush once an hour here
+
+        override_settings(TOKENBUCKET={**settings.TOKENBUCKET, **METRICS_MODES[mode]}).enable()
+        self.limiter = Limiter(InMemory())
+        self.extra = {"prometheus_client_us": prometheus_client_cost()} if mode == "prometheus" else {}
+
+    def decide(self, key: str) -> bool:
+        return self.limiter.limit(self.spec, key).ok
+
+
+def memory_adapters(spec: str, mode: str) -> dict[str, Adapter]:
+    """The one adapter of a ``metrics_cost`` worker (``mode``: a key of ``METRICS_MODES``)."""
+    return {IN_MEMORY: InMemoryLimiter(spec, mode)}
 
 
 def metrics_cost(rounds: int, calls: int) -> dict[str, Any]:
     """What ``TOKENBUCKET["METRICS"]`` and ``TOKENBUCKET["ANALYTICS"]`` add to a decision.
 
-    ``limiter.limit()`` on a backend that decides in memory (``decide_all`` on a dict),
-    so that the store's time, and its noise, is out of the figure. Each configuration
-    (both off, metrics on, analytics on) runs in a fresh process of its own: the setting
-    is process-wide, and the bench's main process, after the rest of the run, has
-    objects, garbage collections and threads of its own, which moved the earlier
-    in-process figures by several µs from round to round. The three take turns, a batch of ``calls``
-    each, in a rotating order, ``rounds`` times; each cost is the median of the rounds'
-    differences with the batch of both off beside it, which a drift of the machine
-    between rounds leaves out. Analytics flush once an hour here, so the figure is the
-    counting every decision pays; a flush is one write per ``FLUSH`` per process, off the
-    request path.
+    ``InMemoryLimiter`` in one worker process per configuration (both off, metrics on,
+    analytics on): the setting is process-wide, and the bench's main process, after the
+    rest of the run, has objects, garbage collections and threads of its own, which moved
+    the earlier in-process figures by several µs from round to round. The three take
+    turns, a batch of ``calls`` each, in a rotating order, ``rounds`` times; each cost is
+    the median of the rounds' differences with the batch of both off beside it, which a
+    drift of the machine between rounds leaves out. Analytics flush once an hour here, so
+    the figure is the counting every decision pays; a flush is one write per ``FLUSH``
+    per process, off the request path.
 
     For scale, the two ``prometheus_client`` calls that a decision makes, timed alone in
-    the metrics process, are reported as ``prometheus_client_us``: the part of the cost
+    the metrics worker, are reported as ``prometheus_client_us``: the part of the cost
     that is the library's.
     """
     import statistics
 
-    context = harness.context()
-    workers: dict[str, Any] = {}
-    try:
-        for mode in METRICS_MODES:
-            conn, child = context.Pipe()
-            process = context.Process(target=_memory_decisions, args=(child, mode), daemon=True, name=f"metrics {mode}")
-            process.start()
-            child.close()
-            workers[mode] = (conn, process)
-        for mode, (conn, _) in workers.items():
-            if not conn.poll(180) or conn.recv() != "ready":
-                raise SystemExit(f"metrics cost: the {mode} process did not start")
-        per_call: dict[str, list[float]] = {mode: [] for mode in workers}
+    modes = list(METRICS_MODES)
+    with harness.workers(SETTINGS, modes, MEMORY_FACTORY) as started:
+        for worker in started.values():
+            worker.call("warm", "bench", IN_MEMORY, "fresh", 1024, 1024)
+        per_call: dict[str, list[float]] = {mode: [] for mode in modes}
         for r in range(rounds):
-            for mode in harness.rotate(list(workers), r):
-                conn = workers[mode][0]
-                conn.send(calls)
-                per_call[mode].append(conn.recv())
-        workers["prometheus"][0].send(-1)
-        library = workers["prometheus"][0].recv()
-    finally:
-        for conn, process in workers.values():
-            try:
-                conn.send(0)
-            except OSError:
-                pass
-            process.join(timeout=30)
-            if process.is_alive():
-                process.terminate()
+            for mode in harness.rotate(modes, r):
+                per_call[mode].append(started[mode].call("per_call", "bench", IN_MEMORY, calls))
+        library = started["prometheus"].call("describe", "bench")[IN_MEMORY]["prometheus_client_us"]
 
     def added(mode: str) -> float:
         return statistics.median(on - off for on, off in zip(per_call[mode], per_call["off"]))
