@@ -73,6 +73,7 @@ AFTER_FORK: tuple[tuple[str, str], ...] = (
     ("django_tokenbucket.keys", "after_fork_in_child"),
     ("django_tokenbucket.registry", "after_fork_in_child"),
     ("django_tokenbucket.hints", "after_fork_in_child"),
+    ("django_tokenbucket.prometheus_tallies", "after_fork_in_child"),
     ("django_tokenbucket.metrics", "after_fork_in_child"),
     ("django_tokenbucket.backends.base", "after_fork_in_child"),
     ("django_tokenbucket.backends.aliases", "after_fork_in_child"),

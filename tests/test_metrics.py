@@ -13,14 +13,15 @@ import threading
 import time
 from pathlib import Path
 
+import prometheus_client
 import pytest
 from django.conf import settings
 from django.core.checks import run_checks
 from django.test import override_settings
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from django_tokenbucket import BackendUnavailable, LimitRequest, limiter, metrics
+from django_tokenbucket import BackendUnavailable, LimitRequest, limiter, metrics, prometheus_tallies
 from django_tokenbucket.testing import frozen_clock
 
 from .settings import TOKENBUCKET as BASE_SETTINGS
@@ -92,9 +93,10 @@ def test_a_shadow_limit_that_would_deny_is_counted_apart(store):
 
 def test_store_failures_are_counted_open_or_closed_with_the_error(prometheus):
     failing = {**PROMETHEUS, "OPTIONS": {"DATABASE": "unreachable"}, "RETRY_ATTEMPTS": 1}
-    errors_before = REGISTRY.get_sample_value(
-        "tokenbucket_store_errors_total", {"backend": "default", "error": "OperationalError"}
-    ) or 0.0
+    errors_before = (
+        REGISTRY.get_sample_value("tokenbucket_store_errors_total", {"backend": "default", "error": "OperationalError"})
+        or 0.0
+    )
     before = counted("login")
     with override_settings(TOKENBUCKET=failing):
         with pytest.raises(BackendUnavailable):
@@ -131,7 +133,7 @@ def test_no_key_ever_reaches_a_label(store):
         if family.name.startswith("tokenbucket")
         for sample in family.samples
     )
-    assert "203.0.113.9" not in exposed and hostile not in exposed and "x\"}" not in exposed
+    assert "203.0.113.9" not in exposed and hostile not in exposed and 'x"}' not in exposed
 
 
 def test_limit_names_past_the_bound_share_one_label(prometheus, monkeypatch):
@@ -214,7 +216,10 @@ def test_counts_of_several_processes_sum_to_their_decisions(tmp_path: Path, redi
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     workers = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, "20", key, settings.REDIS_KEY_PREFIX], env=env, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", WORKER, "20", key, settings.REDIS_KEY_PREFIX],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for _ in range(4)
     ]
@@ -239,9 +244,15 @@ def test_counts_of_several_processes_sum_to_their_decisions(tmp_path: Path, redi
 SECONDS = [0.0, 0.00005, 0.0001, 0.00010001, 0.0003, 0.001, 0.0049, 0.1, 2.5, 2.6, 40.0]
 
 
-def test_the_exposition_has_every_family_its_labels_buckets_and_created_samples():
+#: Both Prometheus recorders: prometheus_client's children (its multiprocess mode) and
+#: the tallies kept per thread (every other process).
+RECORDERS = pytest.mark.parametrize("make_recorder", [metrics.PrometheusRecorder, metrics.TalliedPrometheusRecorder])
+
+
+@RECORDERS
+def test_the_exposition_has_every_family_its_labels_buckets_and_created_samples(make_recorder):
     registry = CollectorRegistry()
-    recorder = metrics.PrometheusRecorder(registry)
+    recorder = make_recorder(registry)
     for i, seconds in enumerate(SECONDS):
         recorder.store_seconds("default" if i % 3 else "redis", seconds)
         recorder.decision("login", "default", metrics.OUTCOMES[i % len(metrics.OUTCOMES)])
@@ -277,9 +288,10 @@ def test_the_exposition_has_every_family_its_labels_buckets_and_created_samples(
     }
 
 
-def test_no_count_is_lost_between_threads_or_scrapes():
+@RECORDERS
+def test_no_count_is_lost_between_threads_or_scrapes(make_recorder):
     registry = CollectorRegistry()
-    recorder = metrics.PrometheusRecorder(registry)
+    recorder = make_recorder(registry)
     threads_, per_thread = 8, 5000
     reads: list[float] = []
     start = threading.Barrier(threads_ + 1)
@@ -306,9 +318,10 @@ def test_no_count_is_lost_between_threads_or_scrapes():
     )
 
 
-def test_a_forked_child_counts_on_from_its_parents_figures_and_the_parent_keeps_its_own():
+@RECORDERS
+def test_a_forked_child_counts_on_from_its_parents_figures_and_the_parent_keeps_its_own(make_recorder):
     registry = CollectorRegistry()
-    recorder = metrics.PrometheusRecorder(registry)
+    recorder = make_recorder(registry)
     # A thread that counted and ended, as a request thread before a server forks.
     counter = threading.Thread(target=recorder.decision, args=("login", "default", metrics.ALLOWED))
     counter.start()
@@ -329,6 +342,125 @@ def test_a_forked_child_counts_on_from_its_parents_figures_and_the_parent_keeps_
 
 
 LOGIN_ALLOWED = {"limit": "login", "backend": "default", "outcome": "allowed"}
+
+
+# -- the tallied recorder: what prometheus_client's children would show, without their locks ----
+
+
+def exposition(registry: CollectorRegistry) -> list[tuple[str, str, float]]:
+    # The _created samples hold when each series began, which differs between two recorders.
+    return sorted(
+        (sample.name, json.dumps(sample.labels, sort_keys=True), sample.value)
+        for family in registry.collect()
+        for sample in family.samples
+        if not sample.name.endswith("_created")
+    )
+
+
+def record_everything(recorder: metrics.Recorder) -> None:
+    for i, seconds in enumerate(SECONDS):
+        recorder.store_seconds("default" if i % 3 else "redis", seconds)
+        recorder.decision("login", "default", metrics.OUTCOMES[i % len(metrics.OUTCOMES)])
+    recorder.decision("search", "redis", metrics.ALLOWED)
+    recorder.store_error("redis", "ConnectionError")
+    recorder.reservation("scheduled", 3)
+
+
+def test_the_tallies_read_as_prometheus_clients_own_children_would():
+    tallied, children = CollectorRegistry(), CollectorRegistry()
+    record_everything(metrics.TalliedPrometheusRecorder(tallied))
+    record_everything(metrics.PrometheusRecorder(children))
+    assert exposition(tallied) == exposition(children)
+
+    def created(registry: CollectorRegistry) -> list[tuple[str, str]]:
+        return sorted(
+            (s.name, json.dumps(s.labels, sort_keys=True))
+            for f in registry.collect()
+            for s in f.samples
+            if s.name.endswith("_created")
+        )
+
+    assert created(tallied) == created(children) != []
+
+    # The text a scrape gets, _created values aside, line for line.
+    def text(registry: CollectorRegistry) -> list[str]:
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
+
+    assert text(tallied) == text(children)
+
+
+def test_the_tallies_drop_created_series_when_prometheus_client_is_told_to(monkeypatch):
+    """``prometheus_client.disable_created_metrics()`` (or PROMETHEUS_DISABLE_CREATED_SERIES)
+    is read on every scrape, through prometheus_client's public behaviour."""
+    registry = CollectorRegistry()
+    record_everything(metrics.TalliedPrometheusRecorder(registry))
+    prometheus_client.disable_created_metrics()
+    try:
+        names = {s.name for f in registry.collect() for s in f.samples}
+        assert not {name for name in names if name.endswith("_created")}
+        assert "tokenbucket_decisions_total" in names and "tokenbucket_decision_seconds_bucket" in names
+    finally:
+        prometheus_client.enable_created_metrics()
+    assert "tokenbucket_decisions_created" in {s.name for f in registry.collect() for s in f.samples}
+
+
+def test_a_thread_per_request_without_scrapes_keeps_a_bounded_number_of_tallies():
+    # runserver makes a thread per request; metrics may be on with nobody scraping.
+    registry = CollectorRegistry()
+    recorder = metrics.TalliedPrometheusRecorder(registry)
+    kept = []
+    for _ in range(1000):
+        thread = threading.Thread(target=recorder.decision, args=("login", "default", metrics.ALLOWED))
+        thread.start()
+        thread.join()
+        kept.append(recorder._tallies.threads_kept())
+    assert max(kept) <= prometheus_tallies.SWEEP_AT
+    assert registry.get_sample_value("tokenbucket_decisions_total", LOGIN_ALLOWED) == 1000
+    assert recorder._tallies.threads_kept() == 0  # the read folded every ended thread into the sum
+
+
+def test_a_forked_child_counts_though_a_parent_thread_held_the_tallies_lock():
+    registry = CollectorRegistry()
+    recorder = metrics.TalliedPrometheusRecorder(registry)
+    recorder.decision("login", "default", metrics.ALLOWED)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        # A scrape in progress in another thread at the moment the server forks.
+        with recorder._tallies._lock:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    held.wait()
+    try:
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child's outcome is its exit status
+            # A new thread's first count and a scrape both take the lock.
+            counter = threading.Thread(target=recorder.decision, args=("login", "default", metrics.ALLOWED))
+            counter.start()
+            counter.join()
+            os._exit(0 if registry.get_sample_value("tokenbucket_decisions_total", LOGIN_ALLOWED) == 2 else 1)
+        deadline = time.monotonic() + 30
+        while (ended := os.waitpid(child, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if ended == (0, 0):
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            pytest.fail("the forked child hung on the lock a parent thread held")
+        assert os.waitstatus_to_exitcode(ended[1]) == 0
+    finally:
+        release.set()
+        holder.join()
+
+
+def test_the_multiprocess_mode_keeps_prometheus_clients_children(monkeypatch, tmp_path):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert type(metrics.prometheus_recorder(CollectorRegistry())) is metrics.PrometheusRecorder
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+    monkeypatch.delenv("prometheus_multiproc_dir", raising=False)
+    assert type(metrics.prometheus_recorder(CollectorRegistry())) is metrics.TalliedPrometheusRecorder
 
 
 @pytest.mark.parametrize(
@@ -395,12 +527,19 @@ def test_the_documented_view_sums_every_worker_in_the_multiprocess_mode(tmp_path
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     workers = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, "10", key, settings.REDIS_KEY_PREFIX], env=env, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", WORKER, "10", key, settings.REDIS_KEY_PREFIX],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for _ in range(3)
     ]
     results = [json.loads(worker.communicate(timeout=120)[0]) for worker in workers]
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     body = documented_metrics_view()(rf.get("/metrics")).content.decode()
-    allowed = [row for row in body.splitlines() if row.startswith("tokenbucket_decisions_total{") and 'outcome="allowed"' in row]
+    allowed = [
+        row
+        for row in body.splitlines()
+        if row.startswith("tokenbucket_decisions_total{") and 'outcome="allowed"' in row
+    ]
     assert sum(float(row.split()[-1]) for row in allowed) == sum(r["allowed"] for r in results) == 30

@@ -760,7 +760,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     (
         "features",
         "what a decision consults or reports beside its store",
-        ("deny_cache", "overrides", "overrides.*", "metrics", "analytics"),
+        ("deny_cache", "overrides", "overrides.*", "metrics", "prometheus_tallies", "analytics"),
     ),
     ("engine", "the decision pipeline, written once, and the plans of state", ("engine", "engine.*")),
     ("face", "the Limiter and the package's names", ("api", "")),

@@ -587,9 +587,9 @@ def metrics_cost(rounds: int, calls: int) -> dict[str, Any]:
     the figure is the counting every decision pays; a flush is one write per ``FLUSH``
     per process, off the request path.
 
-    For scale, the two ``prometheus_client`` calls that a decision makes, timed alone in
-    the metrics worker, are reported as ``prometheus_client_us``: the part of the cost
-    that is the library's.
+    For scale, the two ``prometheus_client`` calls that its children would make a
+    decision (the multiprocess mode's recorder), timed alone in the metrics worker, are
+    reported as ``prometheus_client_us``.
     """
     import statistics
 
@@ -619,9 +619,10 @@ def metrics_cost(rounds: int, calls: int) -> dict[str, Any]:
 
 
 def prometheus_client_cost(calls: int = 100_000) -> float:
-    """µs of the two ``prometheus_client`` calls a decision makes with ``METRICS = "prometheus"``
+    """µs of the two ``prometheus_client`` calls a decision makes in the multiprocess mode
     (a labelled counter's ``inc()`` and a labelled histogram's ``observe()``, each child
-    looked up once, as the recorder keeps them): the library's share of the metrics' cost."""
+    looked up once, as ``PrometheusRecorder`` keeps them): what the per-thread tallies of
+    every other process take the place of."""
     import statistics
 
     import prometheus_client
