@@ -514,9 +514,12 @@ def key_scale(where: dict[str, harness.Worker], rows: int, seconds: float, round
 #: The configurations of ``metrics_cost``, each in a worker process of its own.
 METRICS_MODES = {
     "off": {"METRICS": None, "ANALYTICS": None},
+    "off again": {"METRICS": None, "ANALYTICS": None},
     "prometheus": {"METRICS": "prometheus", "ANALYTICS": None},
     "analytics": {"METRICS": None, "ANALYTICS": {"FLUSH": 3600}},
 }
+#: Sets of fresh worker processes ``metrics_cost`` spreads its rounds over.
+METRICS_PROCESS_SETS = 5
 #: The factory of ``metrics_cost``'s workers, and the name of their one adapter.
 MEMORY_FACTORY = "benchmarks.suite.peers:memory_adapters"
 IN_MEMORY = "tokenbucket in memory"
@@ -574,18 +577,24 @@ def memory_adapters(spec: str, mode: str) -> dict[str, Adapter]:
     return {IN_MEMORY: InMemoryLimiter(spec, mode)}
 
 
-def metrics_cost(rounds: int, calls: int) -> dict[str, Any]:
+def metrics_cost(rounds: int, calls: int, process_sets: int = METRICS_PROCESS_SETS) -> dict[str, Any]:
     """What ``TOKENBUCKET["METRICS"]`` and ``TOKENBUCKET["ANALYTICS"]`` add to a decision.
 
-    ``InMemoryLimiter`` in one worker process per configuration (both off, metrics on,
-    analytics on): the setting is process-wide, and the bench's main process, after the
-    rest of the run, has objects, garbage collections and threads of its own, which moved
-    the earlier in-process figures by several µs from round to round. The three take
-    turns, a batch of ``calls`` each, in a rotating order, ``rounds`` times; each cost is
-    the median of the rounds' differences with the batch of both off beside it, which a
-    drift of the machine between rounds leaves out. Analytics flush once an hour here, so
-    the figure is the counting every decision pays; a flush is one write per ``FLUSH``
-    per process, off the request path.
+    ``InMemoryLimiter`` in one worker process per configuration (``METRICS_MODES``): the
+    setting is process-wide, and the bench's main process, after the rest of the run, has
+    objects, garbage collections and threads of its own, which moved the earlier
+    in-process figures by several µs from round to round. The configurations take turns,
+    a batch of ``calls`` each, in a rotating order; each cost is the median of the
+    rounds' differences with the batch of both off beside it, which a drift of the
+    machine between rounds leaves out. Analytics flush once an hour here, so the figure
+    is the counting every decision pays; a flush is one write per ``FLUSH`` per process,
+    off the request path.
+
+    A process has a speed of its own (its hash seed, where its memory lies): two
+    processes that both have everything off differed by up to 0.8 µs a decision, run
+    after run. So the ``rounds`` are spread over ``process_sets`` sets of fresh
+    processes, and one configuration is both off again (``control_us``): its "cost" is
+    the method's own error in this run.
 
     For scale, the two ``prometheus_client`` calls that its children would make a
     decision (the multiprocess mode's recorder), timed alone in the metrics worker, are
@@ -594,14 +603,16 @@ def metrics_cost(rounds: int, calls: int) -> dict[str, Any]:
     import statistics
 
     modes = list(METRICS_MODES)
-    with harness.workers(SETTINGS, modes, MEMORY_FACTORY) as started:
-        for worker in started.values():
-            worker.call("warm", "bench", IN_MEMORY, "fresh", 1024, 1024)
-        per_call: dict[str, list[float]] = {mode: [] for mode in modes}
-        for r in range(rounds):
-            for mode in harness.rotate(modes, r):
-                per_call[mode].append(started[mode].call("per_call", "bench", IN_MEMORY, calls))
-        library = started["prometheus"].call("describe", "bench")[IN_MEMORY]["prometheus_client_us"]
+    per_call: dict[str, list[float]] = {mode: [] for mode in modes}
+    library = []
+    for process_set in range(process_sets):
+        with harness.workers(SETTINGS, modes, MEMORY_FACTORY) as started:
+            for worker in started.values():
+                worker.call("warm", "bench", IN_MEMORY, "fresh", 1024, 1024)
+            for r in range(process_set, rounds, process_sets):
+                for mode in harness.rotate(modes, r):
+                    per_call[mode].append(started[mode].call("per_call", "bench", IN_MEMORY, calls))
+            library.append(started["prometheus"].call("describe", "bench")[IN_MEMORY]["prometheus_client_us"])
 
     def added(mode: str) -> float:
         return statistics.median(on - off for on, off in zip(per_call[mode], per_call["off"]))
@@ -612,8 +623,10 @@ def metrics_cost(rounds: int, calls: int) -> dict[str, Any]:
         "added_us": round(added("prometheus"), 2),
         "analytics_us": round(statistics.median(per_call["analytics"]), 2),
         "analytics_added_us": round(added("analytics"), 2),
-        "prometheus_client_us": round(library, 2),
+        "control_us": round(added("off again"), 2),
+        "prometheus_client_us": round(statistics.median(library), 2),
         "rounds": rounds,
+        "process_sets": process_sets,
         "calls": calls,
     }
 
