@@ -2,9 +2,10 @@
 
 ``TOKENBUCKET["METRICS"] = "prometheus"`` counts every decision and observes its store
 time. Through ``prometheus_client``'s labelled children, that is two calls that each take
-a lock and check their arguments, ~1.2 µs a decision alone and ~2.4 µs in a request's
-path (docs/benchmarks.md, ``metrics_cost``), against a budget of 2 µs. Here a thread adds
-to dicts only it writes, ~0.3 µs, and the registry sums them when it is read (a scrape).
+a lock and check their arguments: 17,600 instructions added to a decision in memory,
+2.4–3.4 µs, against a budget of 2 µs (docs/benchmarks.md, "Where the time goes"). Here a
+thread adds to dicts only it writes, 5,700 instructions, and the registry sums them when
+it is read (a scrape).
 
 Walled off: this module reads no private name of ``prometheus_client``. What a scrape
 shows is built with its documented custom-collector API (``CounterMetricFamily``,
@@ -59,10 +60,13 @@ class Tallies:
     """Counts and histogram observations, kept per thread and summed on ``read()``.
 
     Only its own thread writes a tally; a reader copies each dict and list whole (one C
-    call, atomic under the GIL), so it sees every addition made before it or none, never
-    half of one. A thread's tally is folded into the ended threads' sum once the thread
-    has ended, on a read or when tallies pile up (a server making a thread per request,
-    and nobody reading): it is kept as long as a live thread may still write it.
+    call, atomic under the GIL), so it sees each count made before it, never half of an
+    increment. A histogram's bucket and its sum are two additions, so a read may see one
+    observation's bucket without its value in the sum, as ``prometheus_client``'s
+    children (a lock for each) may too; the next read has both. A thread's tally is
+    folded into the ended threads' sum once the thread has ended, on a read or when
+    tallies pile up (a server making a thread per request, and nobody reading): it is
+    kept as long as a live thread may still write it.
     """
 
     def __init__(self, bounds: Sequence[float]) -> None:

@@ -252,13 +252,7 @@ RECORDERS = pytest.mark.parametrize("make_recorder", [metrics.PrometheusRecorder
 @RECORDERS
 def test_the_exposition_has_every_family_its_labels_buckets_and_created_samples(make_recorder):
     registry = CollectorRegistry()
-    recorder = make_recorder(registry)
-    for i, seconds in enumerate(SECONDS):
-        recorder.store_seconds("default" if i % 3 else "redis", seconds)
-        recorder.decision("login", "default", metrics.OUTCOMES[i % len(metrics.OUTCOMES)])
-    recorder.decision("search", "redis", metrics.ALLOWED)
-    recorder.store_error("redis", "ConnectionError")
-    recorder.reservation("scheduled", 3)
+    record_everything(make_recorder(registry))
     value = registry.get_sample_value
     assert [value("tokenbucket_decisions_total", {**LOGIN_ALLOWED, "outcome": o}) for o in metrics.OUTCOMES] == [
         2,
@@ -330,15 +324,20 @@ def test_a_forked_child_counts_on_from_its_parents_figures_and_the_parent_keeps_
     if child == 0:  # pragma: no cover - the child's outcome is its exit status
         recorder.decision("login", "default", metrics.ALLOWED)
         os._exit(0 if registry.get_sample_value("tokenbucket_decisions_total", LOGIN_ALLOWED) == 2 else 1)
+    assert exit_code_of(child, "the forked child hung counting a decision") == 0
+    assert registry.get_sample_value("tokenbucket_decisions_total", LOGIN_ALLOWED) == 1
+
+
+def exit_code_of(child: int, hung: str) -> int:
+    """The exit code of the forked ``child``; the test fails with ``hung`` past 30 s."""
     deadline = time.monotonic() + 30
     while (ended := os.waitpid(child, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
         time.sleep(0.01)
     if ended == (0, 0):
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
-        pytest.fail("the forked child hung counting a decision")
-    assert os.waitstatus_to_exitcode(ended[1]) == 0
-    assert registry.get_sample_value("tokenbucket_decisions_total", LOGIN_ALLOWED) == 1
+        pytest.fail(hung)
+    return os.waitstatus_to_exitcode(ended[1])
 
 
 LOGIN_ALLOWED = {"limit": "login", "backend": "default", "outcome": "allowed"}
@@ -442,14 +441,7 @@ def test_a_forked_child_counts_though_a_parent_thread_held_the_tallies_lock():
             counter.start()
             counter.join()
             os._exit(0 if registry.get_sample_value("tokenbucket_decisions_total", LOGIN_ALLOWED) == 2 else 1)
-        deadline = time.monotonic() + 30
-        while (ended := os.waitpid(child, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if ended == (0, 0):
-            os.kill(child, signal.SIGKILL)
-            os.waitpid(child, 0)
-            pytest.fail("the forked child hung on the lock a parent thread held")
-        assert os.waitstatus_to_exitcode(ended[1]) == 0
+        assert exit_code_of(child, "the forked child hung on the lock a parent thread held") == 0
     finally:
         release.set()
         holder.join()
