@@ -159,6 +159,17 @@ class _PrometheusFigures:
         self._errors = _Labelled(Counter("tokenbucket_store_errors", ERRORS_HELP, ["backend", "error"]))
         self._reservations = _Labelled(Counter("tokenbucket_reservations", RESERVATIONS_HELP, ["event"]))
         self._limit_label = _LimitLabels()
+        #: (limit, backend, outcome) -> its labels, kept for names within the label bound.
+        self._labels: dict[tuple[str, str, str], tuple[str, str, str]] = {}
+
+    def _decision_labels(self, limit: str, backend: str, outcome: str) -> tuple[str, str, str]:
+        labels = self._labels.get((limit, backend, outcome))
+        if labels is None:
+            # The label rule only for a combination not seen before.
+            labels = (self._limit_label(limit), backend, outcome)
+            if labels[0] == limit:  # names past the bound are not kept, however many come
+                self._labels[(limit, backend, outcome)] = labels
+        return labels
 
     def store_error(self, backend: str, error: str) -> None:
         self._errors(backend, error).inc()
@@ -184,20 +195,11 @@ class PrometheusRecorder(_PrometheusFigures):
         Histogram = partial(prometheus_client.Histogram, registry=self.registry, buckets=BUCKETS)
         self._decisions = _Labelled(Counter("tokenbucket_decisions", DECISIONS_HELP, DECISION_LABELS))
         self._seconds = _Labelled(Histogram("tokenbucket_decision_seconds", SECONDS_HELP, ["backend"]))
-        # On every decision, each figure is one dict lookup and a call of the child's
-        # bound method, kept: the children's lookups cost as much as their increments.
-        self._count_decision: dict[tuple[str, str, str], Callable[[], None]] = {}
+        # The store time's child kept per backend: its lookup costs as much as its observe().
         self._observe_seconds: dict[str, Callable[[float], None]] = {}
 
     def decision(self, limit: str, backend: str, outcome: str) -> None:
-        count = self._count_decision.get((limit, backend, outcome))
-        if count is None:
-            # The label rule only for a combination not seen before.
-            label = self._limit_label(limit)
-            count = self._decisions(label, backend, outcome).inc
-            if label == limit:  # names past the bound are not kept, however many come
-                self._count_decision[(limit, backend, outcome)] = count
-        count()
+        self._decisions(*self._decision_labels(limit, backend, outcome)).inc()
 
     def store_seconds(self, backend: str, seconds: float) -> None:
         observe = self._observe_seconds.get(backend)
@@ -221,16 +223,9 @@ class TalliedPrometheusRecorder(_PrometheusFigures):
                 histogram=("tokenbucket_decision_seconds", SECONDS_HELP, ["backend"]),
             )
         )
-        #: (limit, backend, outcome) -> its labels, kept for names within the label bound.
-        self._labels: dict[tuple[str, str, str], tuple[str, str, str]] = {}
 
     def decision(self, limit: str, backend: str, outcome: str) -> None:
-        labels = self._labels.get((limit, backend, outcome))
-        if labels is None:
-            labels = (self._limit_label(limit), backend, outcome)
-            if labels[0] == limit:  # names past the bound are not kept, however many come
-                self._labels[(limit, backend, outcome)] = labels
-        self._tallies.count(labels)
+        self._tallies.count(self._decision_labels(limit, backend, outcome))
 
     def store_seconds(self, backend: str, seconds: float) -> None:
         self._tallies.observe((backend,), seconds)
