@@ -119,7 +119,8 @@ class Call:
         self.overridden = False
         #: Whether the store is to be asked (``store``).
         self.pending = True
-        #: ``deny_cache.now()`` read before the enforced limits' store call, for ``learn``.
+        #: ``deny_cache.now()`` read before the enforced limits' store call, for ``learn``;
+        #: None with the cache off (nothing to learn: turning it on again clears it).
         self.before: tuple[bool, int, int] | None = None
 
 
@@ -133,7 +134,8 @@ def begin(stores: Stores, asked: Sequence[Asked], *, apply: bool, rules: Sequenc
         raise ValueError("no rate limits given")
     call = Call(stores, apply)
     for n, item in enumerate(asked):
-        _check_reserve(item.name, item.reserve)
+        if item.reserve is not True and item.reserve is not False:
+            _check_reserve(item.name, item.reserve)
         rule = LOOK_UP if rules is None else rules[n]
         _ask(call, resolve(item.name, item.config), item.key, item.count, item.reserve, rule)
     if stores.own is None and len(call.items) > 1:
@@ -279,7 +281,7 @@ def store(call: Call) -> Steps[None]:
     for group in (enforced, shadowed):
         if not group:
             continue
-        if group is enforced:
+        if group is enforced and deny_cache.active() is not None:
             call.before = deny_cache.now()
         requests = []
         for item in group:
@@ -300,7 +302,7 @@ def one_step(call: Call) -> Decide | None:
     item = call.items[0]
     if item.limit.shards > 1:
         return None
-    if not item.limit.shadow:
+    if not item.limit.shadow and deny_cache.active() is not None:
         call.before = deny_cache.now()
     return Decide(item.limit, [item.request], call.apply)
 

@@ -108,14 +108,16 @@ class SimpleRateThrottle(BaseThrottle):
     THROTTLE_RATES: Mapping[str, str | None] | None = None
 
     statuses: list[Status]
-    key: object
-    now: float | None
-    num_requests: int | float | None
-    duration: int | float | None
-    _rate_error: ImproperlyConfigured | None
+    # What _clear() sets, as class defaults: DRF makes every throttle anew per request,
+    # and __init__ then assigns only the list of its own.
+    key: object = None
+    now: float | None = None
+    num_requests: int | float | None = None
+    duration: int | float | None = None
+    _rate_error: ImproperlyConfigured | None = None
 
     def __init__(self) -> None:
-        self._clear()
+        self.statuses = []
         if self.scopes:
             return
         if not getattr(self, "rate", None):
