@@ -195,11 +195,19 @@ class PrometheusRecorder(_PrometheusFigures):
         Histogram = partial(prometheus_client.Histogram, registry=self.registry, buckets=BUCKETS)
         self._decisions = _Labelled(Counter("tokenbucket_decisions", DECISIONS_HELP, DECISION_LABELS))
         self._seconds = _Labelled(Histogram("tokenbucket_decision_seconds", SECONDS_HELP, ["backend"]))
-        # The store time's child kept per backend: its lookup costs as much as its observe().
+        # Each figure's child kept, by what it is asked with: a child's lookup (the
+        # metric's lock, then its dict) costs as much as its increment.
+        self._count_decision: dict[tuple[str, str, str], Callable[[], None]] = {}
         self._observe_seconds: dict[str, Callable[[float], None]] = {}
 
     def decision(self, limit: str, backend: str, outcome: str) -> None:
-        self._decisions(*self._decision_labels(limit, backend, outcome)).inc()
+        count = self._count_decision.get((limit, backend, outcome))
+        if count is None:
+            labels = self._decision_labels(limit, backend, outcome)
+            count = self._decisions(*labels).inc
+            if labels[0] == limit:  # as _decision_labels keeps them: bounded names only
+                self._count_decision[(limit, backend, outcome)] = count
+        count()
 
     def store_seconds(self, backend: str, seconds: float) -> None:
         observe = self._observe_seconds.get(backend)

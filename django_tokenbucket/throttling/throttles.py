@@ -108,8 +108,8 @@ class SimpleRateThrottle(BaseThrottle):
     THROTTLE_RATES: Mapping[str, str | None] | None = None
 
     statuses: list[Status]
-    # What _clear() sets, as class defaults: DRF makes every throttle anew per request,
-    # and __init__ then assigns only the list of its own.
+    # Class defaults: DRF makes every throttle anew per request, and __init__ then
+    # assigns only the list of its own.
     key: object = None
     now: float | None = None
     num_requests: int | float | None = None
@@ -128,14 +128,6 @@ class SimpleRateThrottle(BaseThrottle):
             # Reported by `manage.py check`; at request time it answers as a failed
             # store would (503, or allowed with FAIL_OPEN) instead of a 500.
             self._rate_error = exc
-
-    def _clear(self) -> None:
-        self.statuses = []
-        self.key = None
-        self.now = None
-        self.num_requests = None
-        self.duration = None
-        self._rate_error = None
 
     # -- DRF's API --------------------------------------------------------------------
 
@@ -485,7 +477,7 @@ class ScopedRateThrottle(UserRateThrottle):
 
     def __init__(self) -> None:
         # The rate depends on the view, known only when a request comes (as in DRF).
-        self._clear()
+        self.statuses = []
 
     def get_scopes(self, request: DRFRequest, view: Any) -> list[str]:
         scope = getattr(view, self.scope_attr, None)
