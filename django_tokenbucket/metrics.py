@@ -159,17 +159,13 @@ class _PrometheusFigures:
         self._errors = _Labelled(Counter("tokenbucket_store_errors", ERRORS_HELP, ["backend", "error"]))
         self._reservations = _Labelled(Counter("tokenbucket_reservations", RESERVATIONS_HELP, ["event"]))
         self._limit_label = _LimitLabels()
-        #: (limit, backend, outcome) -> its labels, kept for names within the label bound.
-        self._labels: dict[tuple[str, str, str], tuple[str, str, str]] = {}
 
-    def _decision_labels(self, limit: str, backend: str, outcome: str) -> tuple[str, str, str]:
-        labels = self._labels.get((limit, backend, outcome))
-        if labels is None:
-            # The label rule only for a combination not seen before.
-            labels = (self._limit_label(limit), backend, outcome)
-            if labels[0] == limit:  # names past the bound are not kept, however many come
-                self._labels[(limit, backend, outcome)] = labels
-        return labels
+    def _decision_labels(self, decision: tuple[str, ...]) -> tuple[str, ...]:
+        """The labels of a decision's ``(limit, backend, outcome)``: the limit's name
+        bounded (``_LimitLabels``). Asked only for a combination not seen before, or
+        for a name past the bound."""
+        limit, backend, outcome = decision
+        return (self._limit_label(limit), backend, outcome)
 
     def store_error(self, backend: str, error: str) -> None:
         self._errors(backend, error).inc()
@@ -203,9 +199,9 @@ class PrometheusRecorder(_PrometheusFigures):
     def decision(self, limit: str, backend: str, outcome: str) -> None:
         count = self._count_decision.get((limit, backend, outcome))
         if count is None:
-            labels = self._decision_labels(limit, backend, outcome)
+            labels = self._decision_labels((limit, backend, outcome))
             count = self._decisions(*labels).inc
-            if labels[0] == limit:  # as _decision_labels keeps them: bounded names only
+            if labels[0] == limit:  # names past the bound are not kept, however many come
                 self._count_decision[(limit, backend, outcome)] = count
         count()
 
@@ -223,7 +219,7 @@ class TalliedPrometheusRecorder(_PrometheusFigures):
 
     def __init__(self, registry: Any = None) -> None:
         super().__init__(registry)
-        self._tallies = Tallies(BUCKETS)
+        self._tallies = Tallies(BUCKETS, labels_of=self._decision_labels)
         self.registry.register(
             TalliesCollector(
                 self._tallies,
@@ -233,10 +229,10 @@ class TalliedPrometheusRecorder(_PrometheusFigures):
         )
 
     def decision(self, limit: str, backend: str, outcome: str) -> None:
-        self._tallies.count(self._decision_labels(limit, backend, outcome))
+        self._tallies.count((limit, backend, outcome))
 
     def store_seconds(self, backend: str, seconds: float) -> None:
-        self._tallies.observe((backend,), seconds)
+        self._tallies.observe(backend, seconds)
 
 
 def prometheus_recorder(registry: Any = None) -> PrometheusRecorder | TalliedPrometheusRecorder:

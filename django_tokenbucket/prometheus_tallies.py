@@ -2,10 +2,9 @@
 
 ``TOKENBUCKET["METRICS"] = "prometheus"`` counts every decision and observes its store
 time. Through ``prometheus_client``'s labelled children, that is two calls that each take
-a lock and check their arguments: 17,600 instructions added to a decision in memory,
-2.4–3.4 µs, against a budget of 2 µs (docs/benchmarks.md, "Where the time goes"). Here a
-thread adds to dicts only it writes, 5,700 instructions, and the registry sums them when
-it is read (a scrape).
+a lock and check their arguments. Here a thread adds to dicts only it writes, and the
+registry sums them when it is read (a scrape); docs/benchmarks.md ("Where the time
+goes") gives what each costs a decision, in instructions and in µs.
 
 Walled off: this module reads no private name of ``prometheus_client``. What a scrape
 shows is built with its documented custom-collector API (``CounterMetricFamily``,
@@ -23,7 +22,7 @@ import threading
 import time
 import weakref
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 try:
@@ -40,6 +39,10 @@ SWEEP_AT = 64
 Labels = tuple[str, ...]
 
 
+def _themselves(key: Labels) -> Labels:
+    return key
+
+
 class _ThreadTally:
     """What one thread added: counts by labels, and per series of the histogram the
     bucket counts (one per bound, then +Inf) followed by the sum of the values."""
@@ -49,7 +52,7 @@ class _ThreadTally:
     def __init__(self, thread: threading.Thread) -> None:
         self.thread = thread
         self.counts: dict[Labels, int] = {}
-        self.histograms: dict[Labels, list[float]] = {}
+        self.histograms: dict[str, list[float]] = {}
 
 
 #: Every Tallies of this process, for the fork reset.
@@ -67,13 +70,19 @@ class Tallies:
     folded into the ended threads' sum once the thread has ended, on a read or when
     tallies pile up (a server making a thread per request, and nobody reading): it is
     kept as long as a live thread may still write it.
+
+    A count is asked by a key, and kept under ``labels_of(key)``, which is asked at a
+    thread's first count of the key: a key whose labels are itself is then counted
+    with one addition; any other (a name past a bound on labels) asks each time, so that
+    no key outside the bound is kept.
     """
 
-    def __init__(self, bounds: Sequence[float]) -> None:
+    def __init__(self, bounds: Sequence[float], labels_of: Callable[[Labels], Labels] = _themselves) -> None:
         self.bounds = tuple(bounds)
+        self._labels_of = labels_of
         #: labels -> when this process first counted them (the ``_created`` samples).
         self.counts_created: dict[Labels, float] = {}
-        self.histograms_created: dict[Labels, float] = {}
+        self.histograms_created: dict[str, float] = {}
         self._local = threading.local()
         self._lock = threading.Lock()
         self._threads: list[_ThreadTally] = []
@@ -81,38 +90,46 @@ class Tallies:
         self._sweep_at = SWEEP_AT
         _every.add(self)
 
-    def count(self, labels: Labels) -> None:
-        """Add one to the count of ``labels``."""
+    def count(self, key: Labels) -> None:
+        """Add one to the count of ``key``'s labels (``labels_of(key)``)."""
         try:
             counts = self._local.counts
         except AttributeError:
             counts = self._join().counts
         try:
-            counts[labels] += 1
-        except KeyError:  # this thread's first count of these labels
-            self.counts_created.setdefault(labels, time.time())
-            counts[labels] = 1
+            counts[key] += 1
+        except KeyError:  # this thread's first count of the key, or a key not counted as itself
+            labels = self._labels_of(key)
+            if labels != key:
+                # Not kept by its own key (the label rule may bound what it keeps), so
+                # every count of it comes here.
+                key = labels
+                if key in counts:
+                    counts[key] += 1
+                    return
+            self.counts_created.setdefault(key, time.time())
+            counts[key] = 1
 
-    def observe(self, labels: Labels, value: float) -> None:
-        """Put ``value`` in the histogram of ``labels``."""
+    def observe(self, label: str, value: float) -> None:
+        """Put ``value`` in the histogram of ``label`` (the histogram has one label)."""
         try:
             histograms = self._local.histograms
         except AttributeError:
             histograms = self._join().histograms
-        histogram = histograms.get(labels)
+        histogram = histograms.get(label)
         if histogram is None:
-            self.histograms_created.setdefault(labels, time.time())
-            histogram = histograms[labels] = self._empty_histogram()
+            self.histograms_created.setdefault(label, time.time())
+            histogram = histograms[label] = self._empty_histogram()
         # The first bound at or above the value: Prometheus' buckets hold "le" (<=).
         histogram[bisect_left(self.bounds, value)] += 1
         histogram[-1] += value
 
-    def read(self) -> tuple[dict[Labels, int], dict[Labels, list[float]]]:
+    def read(self) -> tuple[dict[Labels, int], dict[str, list[float]]]:
         """Return the counts, and the histograms' bucket counts and sums, of every thread so far."""
         with self._lock:
             self._fold_ended()
             counts = dict(self._ended.counts)
-            histograms = {labels: list(h) for labels, h in self._ended.histograms.items()}
+            histograms = {label: list(h) for label, h in self._ended.histograms.items()}
             for tally in self._threads:
                 self._add(counts, histograms, tally)
         return counts, histograms
@@ -148,11 +165,11 @@ class Tallies:
                 self._add(self._ended.counts, self._ended.histograms, tally)
         self._threads = running
 
-    def _add(self, counts: dict[Labels, int], histograms: dict[Labels, list[float]], tally: _ThreadTally) -> None:
+    def _add(self, counts: dict[Labels, int], histograms: dict[str, list[float]], tally: _ThreadTally) -> None:
         for labels, count in tally.counts.copy().items():
             counts[labels] = counts.get(labels, 0) + count
-        for labels, histogram in tally.histograms.copy().items():
-            total = histograms.setdefault(labels, self._empty_histogram())
+        for label, histogram in tally.histograms.copy().items():
+            total = histograms.setdefault(label, self._empty_histogram())
             for i, value in enumerate(list(histogram)):
                 total[i] += value
 
@@ -187,18 +204,18 @@ class TalliesCollector:
         for labels, created_at in list(self._tallies.counts_created.items()):
             if labels in counts:
                 counter.add_metric(labels, float(counts[labels]), created=created_at if with_created else None)
-        histogram_name, _help, label_names = self._histogram
-        for labels, created_at in list(self._tallies.histograms_created.items()):
-            values = histograms.get(labels)
+        histogram_name, _help, (label_name,) = self._histogram
+        for label, created_at in list(self._tallies.histograms_created.items()):
+            values = histograms.get(label)
             if values is None:
                 continue
             buckets, running = [], 0.0
             for bound_label, in_bucket in zip(self._bound_labels, values):
                 running += in_bucket
                 buckets.append((bound_label, running))
-            histogram.add_metric(labels, buckets, values[-1])
+            histogram.add_metric([label], buckets, values[-1])
             if with_created:
-                histogram.add_sample(f"{histogram_name}_created", dict(zip(label_names, labels)), created_at)
+                histogram.add_sample(f"{histogram_name}_created", {label_name: label}, created_at)
         return [counter, histogram]
 
     def _families(self) -> list[Any]:
