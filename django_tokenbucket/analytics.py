@@ -111,8 +111,6 @@ _lock = threading.Lock()
 _minutes: dict[BaseBackend, dict[tuple[str, int], list[int]]] = {}
 _keys: dict[BaseBackend, dict[tuple[str, int], _Keys]] = {}
 _names: set[str] = set()
-#: Never written: what ``record_allowed`` looks in for a backend not counted yet.
-_NONE_YET: dict[tuple[str, int], list[int]] = {}
 #: The flusher thread, and the event that stops it (each thread has its own: a stopped
 #: one's must not cut short its successor's first wait).
 _flusher: threading.Thread | None = None
@@ -137,15 +135,11 @@ def _counts(backend: BaseBackend, name: str, minute: int) -> list[int] | None:
 
 def record_allowed(settings: Settings, backend: BaseBackend, name: str) -> None:
     """Count a call that limit ``name`` (stored on ``backend``) let through."""
-    # current_minute() and _counts() written out for the minute's counts already made:
-    # every allowed call of every limit comes here.
-    minute = int(time.time() // 60)
     with _lock:
-        counts = _minutes.get(backend, _NONE_YET).get((name, minute)) or _counts(backend, name, minute)
+        counts = _counts(backend, name, current_minute())
         if counts is not None:
             counts[0] += 1
-    if _flusher is None:
-        _ensure_flusher(settings)
+    _ensure_flusher(settings)
 
 
 def record_denied(settings: Settings, backend: BaseBackend, name: str, digest: str, label: str) -> None:
@@ -158,8 +152,7 @@ def record_denied(settings: Settings, backend: BaseBackend, name: str, digest: s
             if settings.top_keys:
                 keys = _keys.setdefault(backend, {}).setdefault((name, minute), _Keys())
                 keys.add(digest, label, 1, settings.max_keys)
-    if _flusher is None:
-        _ensure_flusher(settings)
+    _ensure_flusher(settings)
 
 
 def pending() -> dict[str, dict[str, int]]:
@@ -246,6 +239,8 @@ def _restore(backend: BaseBackend, minutes: list[MinuteCounts], keys: list[Denie
 
 def _ensure_flusher(settings: Settings) -> None:
     global _flusher, _stop
+    if _flusher is not None:
+        return
     with _lock:
         if _flusher is not None:
             return
